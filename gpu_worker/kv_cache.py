@@ -1,0 +1,38 @@
+"""The worker's paged KV cache: token-slot tensors per layer and the request -> token-slot table.
+
+The scheduler owns the accounting (which slots are free, which request row is used); the worker owns the
+tensors. Page size is one token, so a request's KV lives in any free slots (no fragmentation).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVCache:
+    """K and V tensors, each ``[num_slots, kv_heads_local, head_dim]`` per layer, plus ``req_to_token``.
+
+    ``req_to_token[req_idx, pos]`` (int64, ``[max_running, context_len]``) is the slot holding position
+    ``pos`` of the request in row ``req_idx``.
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_slots: int,
+        kv_heads: int,
+        head_dim: int,
+        max_running: int,
+        context_len: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.num_slots = num_slots
+        self.k = [torch.zeros(num_slots, kv_heads, head_dim, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(num_slots, kv_heads, head_dim, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.req_to_token = torch.zeros(max_running, context_len, dtype=torch.int64, device=device)
+
+    @staticmethod
+    def bytes_per_token(num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        """Bytes one token slot costs on one rank (K and V, all layers)."""
+        return 2 * num_layers * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()

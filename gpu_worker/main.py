@@ -1,0 +1,107 @@
+"""gpu_worker process: one TP rank. Receives plans from the scheduler's ROUTER, answers with tokens."""
+
+from __future__ import annotations
+
+import logging
+import traceback
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import zmq
+
+from gpu_worker.worker import Worker, pick_device
+from ipc.codec import Codec, WireError
+from ipc.messages import (
+    ForwardBatch,
+    FromWorkerMsg,
+    StepResult,
+    ToWorkerMsg,
+    WorkerLoraLoad,
+    WorkerLoraUnload,
+    WorkerShutdown,
+)
+from ipc.proc import StopRequested, child_setup
+from ipc.sockets import failed, make_socket, ready
+
+log = logging.getLogger("gpu_worker")
+
+
+def init_distributed(init_method: str, rank: int, world: int, device: torch.device) -> object | None:
+    """Join the TP group (gloo on CPU, nccl on CUDA); None at TP=1."""
+    if world == 1:
+        return None
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world, timeout=timedelta(minutes=5))
+    return dist.group.WORLD
+
+
+def main() -> None:
+    """Entry point: ``python -m gpu_worker.main --config-file F --rank N``."""
+    args, ns = child_setup("gpu_worker")
+    rank = ns.rank
+    name = f"gpu_worker[{rank}]"
+    ctx = zmq.Context()
+    sock = None
+    try:
+        device = pick_device(args.device, rank)
+        group = init_distributed(args.endpoints.dist_init, rank, args.tp_size, device)
+        worker = Worker(args, rank, group, device)
+        in_codec: Codec = Codec(ToWorkerMsg)
+        out_codec: Codec = Codec(FromWorkerMsg)
+        sock = make_socket(ctx, zmq.DEALER, args.endpoints.workers, bind=False, identity=f"rank-{rank}".encode())
+        sock.send(out_codec.encode(worker.ready()))
+        ready(
+            ctx,
+            args.endpoints.control,
+            name,
+            device=str(device),
+            dtype=str(worker.dtype),
+            kv_tokens=worker.kv.num_slots,
+            q_heads=list(worker.plan.q_heads),
+            kv_heads=list(worker.plan.kv_heads),
+        )
+    except StopRequested:
+        ctx.destroy(0)
+        return
+    except Exception as e:  # noqa: BLE001 - report any start-up failure to the launcher, then exit non-zero
+        log.error("start-up failed: %s", traceback.format_exc())
+        failed(ctx, args.endpoints.control, name, f"{type(e).__name__}: {e}")
+        ctx.destroy(0)
+        raise SystemExit(1) from None
+    try:
+        while True:
+            if not sock.poll(1000):
+                continue
+            frame = sock.recv()
+            try:
+                msg = in_codec.decode(frame)
+            except WireError as e:
+                log.error("dropping bad frame from scheduler: %s", e)
+                continue
+            if isinstance(msg, ForwardBatch):
+                try:
+                    reply = worker.step(msg)
+                except Exception as e:  # noqa: BLE001 - the scheduler fails the step's requests with this text
+                    log.error("step %d failed: %s", msg.step, traceback.format_exc())
+                    reply = StepResult(step=msg.step, rank=rank, next_ids=[], error=f"rank {rank}: {e}")
+            elif isinstance(msg, WorkerLoraLoad):
+                reply = worker.load_lora(msg)
+            elif isinstance(msg, WorkerLoraUnload):
+                reply = worker.unload_lora(msg)
+            elif isinstance(msg, WorkerShutdown):
+                break
+            sock.send(out_codec.encode(reply))
+    except StopRequested:
+        pass
+    finally:
+        sock.close()
+        ctx.destroy(0)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

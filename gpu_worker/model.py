@@ -1,0 +1,182 @@
+"""Llama forward for one TP rank over a packed batch of prefill and decode tokens.
+
+RMSNorm, rotary embeddings (HF ``rotate_half`` layout), grouped-query attention over the paged KV cache,
+SwiGLU MLP, tied or separate LM head. Column-parallel qkv/gate_up and row-parallel o/down with one
+all-reduce each (Megatron-LM). LoRA deltas enter through :class:`LoraApplier` (None = base only).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from gpu_worker.kv_cache import KVCache
+from gpu_worker.tp_plan import ShardPlan
+from ipc.model_config import ModelConfig
+
+
+class LoraApplier(Protocol):
+    """Adds LoRA deltas for one step; built per batch by the LoRA pool."""
+
+    def add(self, layer: int, module: str, x: torch.Tensor, out: torch.Tensor) -> None:
+        """Add ``module``'s LoRA delta for input ``x [T, in_local]`` into ``out [T, out_local]`` in place.
+
+        For row-parallel modules (o, down) ``out`` is the rank's partial sum before the all-reduce.
+        """
+
+
+@dataclass
+class StepInputs:
+    """Tensors for one forward step (``T`` packed tokens, ``B`` requests in plan order).
+
+    input_ids, positions, out_slots: ``[T]`` int64. ``seq_lens`` (prefix + new), ``ext_lens`` (new tokens),
+    ``req_idx``: per-request Python lists. ``decode_rows`` lists the requests with one new token and a
+    non-empty prefix, attended to in one batched gather; the rest are attended one by one.
+    """
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    out_slots: torch.Tensor
+    req_idx: list[int]
+    prefix_lens: list[int]
+    ext_lens: list[int]
+    decode_rows: list[int]
+    decode_token_index: torch.Tensor  # [Bd] token offsets of decode rows
+    decode_table: torch.Tensor | None  # [Bd, Lmax] KV slots
+    decode_mask: torch.Tensor | None  # [Bd, 1, 1, Lmax] bool, True = attend
+    last_token_index: torch.Tensor  # [B] offset of each request's last token
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies ``[head_dim/2]`` fp32, with llama3 scaling when the config asks for it."""
+    d = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    sc = cfg.rope_scaling
+    if sc and sc.get("rope_type") == "llama3":
+        factor, lo, hi = float(sc["factor"]), float(sc["low_freq_factor"]), float(sc["high_freq_factor"])
+        old = float(sc["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > old / lo, inv / factor, inv)
+        smooth = (old / wavelen - lo) / (hi - lo)
+        mid = (1 - smooth) * scaled / factor + smooth * scaled
+        is_mid = (wavelen >= old / hi) & (wavelen <= old / lo)
+        inv = torch.where(is_mid, mid, scaled)
+    return inv
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm computed in fp32, cast back, then scaled (same order as HF Llama)."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return w * xf.to(x.dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    a, b = x.chunk(2, dim=-1)
+    return torch.cat((-b, a), dim=-1)
+
+
+class LlamaShard:
+    """One TP rank's Llama. ``weights`` comes from :func:`gpu_worker.weights.load_shard`."""
+
+    def __init__(self, cfg: ModelConfig, plan: ShardPlan, weights: dict, group: object | None = None) -> None:
+        self.cfg = cfg
+        self.plan = plan
+        self.w = weights
+        self.group = group
+        self.tp = plan.tp_size
+        self.nq, self.nkv, self.d = plan.num_q_heads, plan.num_kv_heads, cfg.head_dim
+        self.ffn_local = plan.ffn[1] - plan.ffn[0]
+        device = weights["embed"].device
+        self.inv_freq = rope_inv_freq(cfg).to(device)
+
+    def _all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        if self.tp > 1:
+            dist.all_reduce(t, group=self.group)
+        return t
+
+    def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
+
+    def _attention(self, s: StepInputs, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: KVCache, layer: int):
+        """q ``[T, nq, d]``, k/v ``[T, nkv, d]`` (already written to the cache) -> ``[T, nq*d]``."""
+        out = torch.empty_like(q)
+        kc, vc = kv.k[layer], kv.v[layer]
+        scale = 1.0 / math.sqrt(self.d)
+        offset = 0
+        decode = set(s.decode_rows)
+        for b, (pre, ext) in enumerate(zip(s.prefix_lens, s.ext_lens, strict=True)):
+            if b not in decode:
+                qb = q[offset : offset + ext].transpose(0, 1)  # [nq, ext, d]
+                if pre == 0:
+                    kb, vb = k[offset : offset + ext], v[offset : offset + ext]
+                    mask = None
+                else:
+                    slots = kv.req_to_token[s.req_idx[b], : pre + ext]
+                    kb, vb = kc[slots], vc[slots]
+                    mask = torch.ones(ext, pre + ext, dtype=torch.bool, device=q.device).tril(pre)
+                ob = F.scaled_dot_product_attention(
+                    qb[None],
+                    kb.transpose(0, 1)[None],
+                    vb.transpose(0, 1)[None],
+                    attn_mask=None if mask is None else mask[None, None],
+                    is_causal=mask is None,
+                    scale=scale,
+                    enable_gqa=True,
+                )
+                out[offset : offset + ext] = ob[0].transpose(0, 1)
+            offset += ext
+        if s.decode_rows:
+            idx = s.decode_token_index
+            qd = q[idx][:, :, None, :]  # [Bd, nq, 1, d]
+            kd = kc[s.decode_table].transpose(1, 2)  # [Bd, nkv, L, d]
+            vd = vc[s.decode_table].transpose(1, 2)
+            od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=s.decode_mask, scale=scale, enable_gqa=True)
+            out[idx] = od[:, :, 0, :]
+        return out.reshape(q.shape[0], self.nq * self.d)
+
+    @torch.inference_mode()
+    def forward(self, s: StepInputs, kv: KVCache, lora: LoraApplier | None = None) -> torch.Tensor:
+        """Run one step; write new K/V to ``s.out_slots``; return last-token logits ``[B, vocab]`` fp32."""
+        cfg, w = self.cfg, self.w
+        nq, nkv, d = self.nq, self.nkv, self.d
+        x = F.embedding(s.input_ids, w["embed"])
+        cos, sin = self._rope(s.positions, x.dtype)
+        for i, lw in enumerate(w["layers"]):
+            h = rms_norm(x, lw["input_norm"], cfg.rms_norm_eps)
+            qkv = h @ lw["qkv"].T
+            if lora is not None:
+                lora.add(i, "qkv", h, qkv)
+            q, k, v = qkv.split([nq * d, nkv * d, nkv * d], dim=-1)
+            q = q.reshape(-1, nq, d)
+            k = k.reshape(-1, nkv, d)
+            v = v.reshape(-1, nkv, d)
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
+            kv.k[i][s.out_slots] = k
+            kv.v[i][s.out_slots] = v
+            a = self._attention(s, q, k, v, kv, i)
+            o = a @ lw["o"].T
+            if lora is not None:
+                lora.add(i, "o", a, o)
+            x = x + self._all_reduce(o)
+            h = rms_norm(x, lw["post_norm"], cfg.rms_norm_eps)
+            gu = h @ lw["gate_up"].T
+            if lora is not None:
+                lora.add(i, "gate_up", h, gu)
+            gate, up = gu.split([self.ffn_local, self.ffn_local], dim=-1)
+            m = F.silu(gate) * up
+            dn = m @ lw["down"].T
+            if lora is not None:
+                lora.add(i, "down", m, dn)
+            x = x + self._all_reduce(dn)
+        last = x[s.last_token_index]
+        last = rms_norm(last, w["norm"], cfg.rms_norm_eps)
+        return (last @ w["lm_head"].T).float()

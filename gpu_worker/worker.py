@@ -1,0 +1,191 @@
+"""One TP rank's logic: model shard, KV cache, LoRA pool; turns a ForwardBatch plan into next tokens.
+
+No sockets here (``gpu_worker.main`` owns them), so tests drive a Worker directly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import uuid
+from pathlib import Path
+
+import torch
+
+from gpu_worker.kv_cache import KVCache
+from gpu_worker.model import LlamaShard, StepInputs
+from gpu_worker.sampling import sample
+from gpu_worker.tp_plan import make_shard_plan
+from gpu_worker.weights import load_shard
+from ipc.config import ServerArgs
+from ipc.messages import ForwardBatch, LoraOpAck, StepResult, WorkerLoraLoad, WorkerLoraUnload, WorkerReady
+from ipc.model_config import ModelConfig, load_model_config
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+CPU_DEFAULT_MAX_TOKENS = 32768
+
+
+def pick_device(requested: str = "auto", rank: int = 0) -> torch.device:
+    """CUDA device ``rank`` when CUDA exists (or is asked for), else CPU."""
+    if requested == "cpu" or (requested == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    return torch.device("cuda", rank % max(torch.cuda.device_count(), 1))
+
+
+def resolve_dtype(requested: str, model_path: str, device: torch.device) -> torch.dtype:
+    """``auto`` takes the checkpoint's dtype (float16 becomes float32 on CPU); otherwise the named dtype.
+
+    Raises:
+        ValueError: an unknown dtype name.
+    """
+    if requested != "auto":
+        if requested not in _DTYPES:
+            raise ValueError(f"--dtype {requested!r}: choose auto, float32, bfloat16 or float16")
+        return _DTYPES[requested]
+    cfg = json.loads((Path(model_path) / "config.json").read_text())
+    name = cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
+    dt = _DTYPES.get(str(name), torch.float32)
+    return torch.float32 if dt == torch.float16 and device.type == "cpu" else dt
+
+
+def kv_capacity_tokens(args: ServerArgs, cfg: ModelConfig, kv_heads: int, dtype: torch.dtype, device) -> int:
+    """Token slots this rank's KV pool holds: ``--max-total-tokens``, or a memory-derived default."""
+    if args.max_total_tokens > 0:
+        return args.max_total_tokens
+    per_tok = KVCache.bytes_per_token(cfg.num_layers, kv_heads, cfg.head_dim, dtype)
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        used = total - free
+        budget = max(total * args.mem_fraction_static - used, per_tok * 1024)
+        return int(budget // per_tok)
+    return CPU_DEFAULT_MAX_TOKENS
+
+
+class WorkerError(RuntimeError):
+    """A step or LoRA command could not be carried out on this rank."""
+
+
+class Worker:
+    """One TP rank. ``group`` is the torch.distributed group (None at TP=1)."""
+
+    def __init__(self, args: ServerArgs, rank: int = 0, group: object | None = None, device=None) -> None:
+        self.args = args
+        self.rank = rank
+        self.device = device if device is not None else pick_device(args.device, rank)
+        self.incarnation = uuid.uuid4().hex
+        self.cfg = load_model_config(args.model_path)
+        self.plan = make_shard_plan(
+            self.cfg.num_heads, self.cfg.num_kv_heads, self.cfg.intermediate_size, args.tp_size, rank
+        )
+        self.dtype = resolve_dtype(args.dtype, args.model_path, self.device)
+        weights = load_shard(args.model_path, self.cfg, self.plan, self.dtype, self.device)
+        self.model = LlamaShard(self.cfg, self.plan, weights, group)
+        self.context_len = args.context_length or self.cfg.max_position_embeddings
+        cap = kv_capacity_tokens(args, self.cfg, self.plan.num_kv_heads, self.dtype, self.device)
+        self.kv = KVCache(
+            self.cfg.num_layers,
+            cap,
+            self.plan.num_kv_heads,
+            self.cfg.head_dim,
+            args.max_running_requests,
+            self.context_len,
+            self.dtype,
+            self.device,
+        )
+        self.lora = None
+        if args.enable_lora:
+            from gpu_worker.lora_pool import LoraPool
+
+            self.lora = LoraPool(args, self.cfg, self.plan, self.dtype, self.device, group)
+        self._gen = torch.Generator(device=self.device)
+        self._gen.manual_seed(args.random_seed + 7919 * os.getpid() if args.random_seed < 0 else args.random_seed)
+
+    def ready(self) -> WorkerReady:
+        """The READY message for the scheduler."""
+        return WorkerReady(
+            rank=self.rank,
+            incarnation=self.incarnation,
+            kv_capacity_tokens=self.kv.num_slots,
+            loaded_uids=[] if self.lora is None else self.lora.host_uids(),
+        )
+
+    def build_inputs(self, fb: ForwardBatch) -> StepInputs:
+        """Record each request's new KV slots in ``req_to_token`` and pack the step's tensors."""
+        dev = self.device
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        last: list[int] = []
+        decode_rows: list[int] = []
+        decode_tok: list[int] = []
+        for b, r in enumerate(fb.reqs):
+            n = len(r.input_ids)
+            if n == 0 or n != len(r.out_slots):
+                raise WorkerError(f"request {r.rid}: {n} tokens but {len(r.out_slots)} KV slots")
+            if r.prefix_len + n > self.context_len:
+                raise WorkerError(f"request {r.rid}: {r.prefix_len + n} tokens exceed context {self.context_len}")
+            self.kv.req_to_token[r.req_idx, r.prefix_len : r.prefix_len + n] = torch.tensor(
+                r.out_slots, dtype=torch.int64, device=dev
+            )
+            if n == 1 and r.prefix_len > 0:
+                decode_rows.append(b)
+                decode_tok.append(len(ids))
+            ids.extend(r.input_ids)
+            pos.extend(range(r.prefix_len, r.prefix_len + n))
+            slots.extend(r.out_slots)
+            last.append(len(ids) - 1)
+        table = mask = None
+        if decode_rows:
+            lens = torch.tensor([fb.reqs[b].prefix_len + 1 for b in decode_rows], device=dev)
+            lmax = int(lens.max())
+            rows = torch.tensor([fb.reqs[b].req_idx for b in decode_rows], device=dev)
+            table = self.kv.req_to_token[rows, :lmax]
+            mask = (torch.arange(lmax, device=dev)[None, :] < lens[:, None])[:, None, None, :]
+        return StepInputs(
+            input_ids=torch.tensor(ids, dtype=torch.int64, device=dev),
+            positions=torch.tensor(pos, dtype=torch.int64, device=dev),
+            out_slots=torch.tensor(slots, dtype=torch.int64, device=dev),
+            req_idx=[r.req_idx for r in fb.reqs],
+            prefix_lens=[r.prefix_len for r in fb.reqs],
+            ext_lens=[len(r.input_ids) for r in fb.reqs],
+            decode_rows=decode_rows,
+            decode_token_index=torch.tensor(decode_tok, dtype=torch.int64, device=dev),
+            decode_table=table,
+            decode_mask=mask,
+            last_token_index=torch.tensor(last, dtype=torch.int64, device=dev),
+        )
+
+    def forward_logits(self, fb: ForwardBatch) -> torch.Tensor:
+        """Run the plan and return last-token logits ``[B, vocab]`` fp32 (also used by tests)."""
+        s = self.build_inputs(fb)
+        applier = None
+        if self.lora is not None:
+            applier = self.lora.prepare([r.lora_uid for r in fb.reqs], s.ext_lens)
+        elif any(r.lora_uid is not None for r in fb.reqs):
+            raise WorkerError("a request names a LoRA adapter but LoRA is not enabled (--enable-lora)")
+        return self.model.forward(s, self.kv, applier)
+
+    def step(self, fb: ForwardBatch) -> StepResult:
+        """Run one step; rank 0 samples one token per request (other ranks return no tokens)."""
+        logits = self.forward_logits(fb)
+        next_ids: list[int] = []
+        if self.rank == 0:
+            next_ids = sample(logits, [r.sampling for r in fb.reqs], [r.output_len for r in fb.reqs], self._gen)
+        digest, table = ("", {}) if self.lora is None else self.lora.digest()
+        return StepResult(step=fb.step, rank=self.rank, next_ids=next_ids, slot_digest=digest, slots=table)
+
+    def load_lora(self, msg: WorkerLoraLoad) -> LoraOpAck:
+        """Load an adapter into this rank's host tier; the ack carries the error text on failure."""
+        if self.lora is None:
+            return LoraOpAck(msg.op_id, self.rank, False, "LoRA is not enabled (start with --enable-lora)")
+        try:
+            self.lora.load(msg.uid, msg.name, msg.path, msg.pinned)
+        except Exception as e:  # noqa: BLE001 - every failure goes back to the scheduler as text
+            return LoraOpAck(msg.op_id, self.rank, False, str(e))
+        return LoraOpAck(msg.op_id, self.rank, True)
+
+    def unload_lora(self, msg: WorkerLoraUnload) -> LoraOpAck:
+        """Drop an adapter from this rank (idempotent)."""
+        if self.lora is not None:
+            self.lora.unload(msg.uid)
+        return LoraOpAck(msg.op_id, self.rank, True)

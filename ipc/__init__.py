@@ -1,0 +1,1 @@
+"""Wire layer shared by every Loom process: config, messages, codec, sockets, client."""

@@ -1,0 +1,90 @@
+"""The cluster's configuration tree: one msgspec Struct that every process receives at start-up."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import uuid
+
+import msgspec
+
+
+class LoraSpec(msgspec.Struct, frozen=True):
+    """One adapter named on the command line (``--lora-paths``)."""
+
+    name: str
+    path: str
+    pinned: bool = False
+
+
+class Endpoints(msgspec.Struct, frozen=True):
+    """ZMQ addresses of every socket edge in the cluster.
+
+    ``front`` is the client-facing ROUTER (``ipc://`` by default, ``tcp://`` when asked). The others are
+    internal edges; with ``ipc://`` they live in ``socket_dir``, which the launcher removes at shutdown.
+    """
+
+    front: str
+    to_scheduler: str  # tokenizer PUSH -> scheduler PULL
+    to_tokenizer: str  # scheduler PUSH -> tokenizer PULL
+    workers: str  # scheduler ROUTER <-> worker DEALERs
+    control: str  # every process PUSH -> launcher PULL (READY / FAILED)
+    dist_init: str  # torch.distributed init method (tcp://127.0.0.1:PORT)
+    socket_dir: str = ""
+
+
+class ServerArgs(msgspec.Struct, frozen=True, kw_only=True):
+    """Every knob of a Loom cluster. Field names follow SGLang's flags (``--max-running-requests`` ...)."""
+
+    model_path: str  # resolved checkpoint folder
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    device: str = "auto"  # auto | cpu | cuda
+    tp_size: int = 1
+    max_running_requests: int = 64
+    max_total_tokens: int = 0  # KV pool size in tokens (0 = derived from memory)
+    context_length: int = 0  # 0 = the model's max_position_embeddings
+    mem_fraction_static: float = 0.8  # CUDA only: share of free memory for weights + KV cache
+    random_seed: int = 0
+    step_timeout_s: float = 120.0
+    ready_timeout_s: float = 300.0
+    http_port: int = 0  # 0 = no HTTP server
+    http_host: str = "127.0.0.1"
+    endpoints: Endpoints
+    # multi-LoRA
+    enable_lora: bool = False
+    lora_paths: list[LoraSpec] = []
+    max_loras_per_batch: int = 8
+    max_lora_rank: int = 64
+    lora_target_modules: list[str] = []
+    lora_eviction_policy: str = "lru"
+    lora_root: str = ""
+    max_loaded_loras: int = 0  # host-memory tier bound (0 = unbounded)
+    log_level: str = "info"
+
+
+def make_endpoints(front: str | None = None, dist_port: int | None = None) -> Endpoints:
+    """Fresh endpoints in a private temp folder; ``front`` overrides the client-facing address."""
+    sock_dir = tempfile.mkdtemp(prefix=f"loom-{os.getpid()}-{uuid.uuid4().hex[:6]}-")
+
+    def ep(name: str) -> str:
+        return f"ipc://{sock_dir}/{name}.sock"
+
+    port = dist_port if dist_port is not None else free_tcp_port()
+    return Endpoints(
+        front=front or ep("front"),
+        to_scheduler=ep("to_scheduler"),
+        to_tokenizer=ep("to_tokenizer"),
+        workers=ep("workers"),
+        control=ep("control"),
+        dist_init=f"tcp://127.0.0.1:{port}",
+        socket_dir=sock_dir,
+    )
+
+
+def free_tcp_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -1,0 +1,137 @@
+"""Parse and check a PEFT LoRA ``adapter_config.json``; shared by the registry and every worker rank.
+
+Fields that change the maths are either implemented (``r``, ``lora_alpha``, ``use_rslora``,
+``rank_pattern``, ``alpha_pattern``, ``target_modules``) or refused with an error naming the field
+(``use_dora``, ``bias`` other than "none", ``modules_to_save``, ``fan_in_fan_out``, ...). Training-only fields
+(dropout, init) and bookkeeping fields are ignored. Scaling is ``lora_alpha / r`` (Hu et al., LoRA, 2021) or
+``lora_alpha / sqrt(r)`` with rsLoRA (Kalajdzievski, arXiv 2312.03732).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+
+import msgspec
+
+LLAMA_LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+
+
+class LoraConfigError(ValueError):
+    """The adapter's config is missing, malformed or asks for something Loom does not support."""
+
+
+class LoraAdapterConfig(msgspec.Struct, frozen=True):
+    """What Loom uses of a PEFT LoRA config."""
+
+    name: str
+    r: int
+    lora_alpha: float
+    use_rslora: bool
+    target_modules: list[str]  # short module names it may touch (q_proj ...)
+    rank_pattern: dict[str, int]
+    alpha_pattern: dict[str, float]
+
+    def _pattern(self, patterns: dict, module_path: str):
+        for pat, val in patterns.items():
+            if re.fullmatch(rf"(.*\.)?(?:{pat})", module_path):
+                return val
+        return None
+
+    def rank_for(self, module_path: str) -> int:
+        """Rank of the module at ``module_path`` (e.g. ``model.layers.3.self_attn.q_proj``)."""
+        r = self._pattern(self.rank_pattern, module_path)
+        return int(r) if r is not None else self.r
+
+    def scaling_for(self, module_path: str) -> float:
+        """``alpha / r`` (or ``alpha / sqrt(r)`` with rsLoRA) for the module, honouring the patterns."""
+        r = self.rank_for(module_path)
+        a = self._pattern(self.alpha_pattern, module_path)
+        alpha = float(a) if a is not None else self.lora_alpha
+        return alpha / math.sqrt(r) if self.use_rslora else alpha / r
+
+    def max_rank(self) -> int:
+        """Largest rank of any module (``r`` or any ``rank_pattern`` value)."""
+        return max([self.r, *[int(v) for v in self.rank_pattern.values()]])
+
+
+def _sample_paths(module: str) -> list[str]:
+    block = "mlp" if module in ("gate_proj", "up_proj", "down_proj") else "self_attn"
+    return [module] + [f"model.layers.{i}.{block}.{module}" for i in range(128)]
+
+
+def _refuse(name: str, field: str, value: object, why: str) -> LoraConfigError:
+    return LoraConfigError(f"LoRA adapter {name}: {CONFIG_FILE} field {field}={value!r} is not supported: {why}")
+
+
+def read_adapter_config(folder: str | Path, name: str) -> LoraAdapterConfig:
+    """Read ``folder/adapter_config.json``.
+
+    Raises:
+        LoraConfigError: naming the adapter and the file or field: missing folder or files, bad JSON, a
+            non-LoRA ``peft_type``, a bad ``r``/``lora_alpha``, or an unsupported field.
+    """
+    d = Path(folder)
+    cfg_path = d / CONFIG_FILE
+    if not d.is_dir():
+        raise LoraConfigError(f"LoRA adapter {name}: {d} is not a folder")
+    if not cfg_path.is_file():
+        raise LoraConfigError(f"LoRA adapter {name}: {cfg_path} is missing")
+    if not (d / WEIGHTS_FILE).is_file():
+        extra = " (.bin/pickle weights are never opened)" if (d / "adapter_model.bin").exists() else ""
+        raise LoraConfigError(f"LoRA adapter {name}: {d / WEIGHTS_FILE} is missing{extra}")
+    try:
+        raw = json.loads(cfg_path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise LoraConfigError(f"LoRA adapter {name}: {cfg_path} is not valid JSON: {e}") from None
+    if not isinstance(raw, dict):
+        raise LoraConfigError(f"LoRA adapter {name}: {cfg_path} must hold a JSON object")
+    peft_type = raw.get("peft_type", "LORA")
+    if str(peft_type).upper() != "LORA":
+        raise _refuse(name, "peft_type", peft_type, "only LoRA adapters are served")
+    if raw.get("use_dora"):
+        raise _refuse(name, "use_dora", True, "DoRA's magnitude vector is not implemented")
+    if raw.get("bias", "none") != "none":
+        raise _refuse(name, "bias", raw.get("bias"), "adapter biases are not implemented")
+    if raw.get("modules_to_save"):
+        raise _refuse(name, "modules_to_save", raw["modules_to_save"], "full replacement modules are not served")
+    if raw.get("fan_in_fan_out"):
+        raise _refuse(name, "fan_in_fan_out", True, "Llama linears store weights as [out, in]")
+    for field in ("layer_replication", "target_parameters", "trainable_token_indices", "lora_bias", "use_qalora"):
+        if raw.get(field):
+            raise _refuse(name, field, raw[field], "changes the model in a way Loom does not implement")
+    r = raw.get("r")
+    if not isinstance(r, int) or r <= 0:
+        raise LoraConfigError(f"LoRA adapter {name}: {CONFIG_FILE} field r={r!r} must be a positive integer")
+    alpha = raw.get("lora_alpha", r)
+    if not isinstance(alpha, (int, float)) or alpha <= 0:
+        raise LoraConfigError(f"LoRA adapter {name}: {CONFIG_FILE} field lora_alpha={alpha!r} must be positive")
+    tm = raw.get("target_modules") or []
+    if isinstance(tm, str):
+        # PEFT full-matches a regex against module paths; the tensors in the file decide which layers
+        targets = [m for m in LLAMA_LORA_MODULES if any(re.fullmatch(tm, p) for p in _sample_paths(m))]
+    else:
+        targets = [str(m) for m in tm]
+    unknown = [m for m in targets if m not in LLAMA_LORA_MODULES]
+    if unknown:
+        raise _refuse(
+            name, "target_modules", unknown, f"the model's adapter-able modules are {list(LLAMA_LORA_MODULES)}"
+        )
+    rank_pattern = raw.get("rank_pattern") or {}
+    alpha_pattern = raw.get("alpha_pattern") or {}
+    for field, pat in (("rank_pattern", rank_pattern), ("alpha_pattern", alpha_pattern)):
+        if not isinstance(pat, dict) or any(not isinstance(v, (int, float)) or v <= 0 for v in pat.values()):
+            raise LoraConfigError(f"LoRA adapter {name}: {CONFIG_FILE} field {field} must map patterns to numbers > 0")
+    return LoraAdapterConfig(
+        name=name,
+        r=r,
+        lora_alpha=float(alpha),
+        use_rslora=bool(raw.get("use_rslora", False)),
+        target_modules=targets,
+        rank_pattern={str(k): int(v) for k, v in rank_pattern.items()},
+        alpha_pattern={str(k): float(v) for k, v in alpha_pattern.items()},
+    )

@@ -1,0 +1,358 @@
+"""Every message that crosses a process boundary, one tagged union per socket edge.
+
+All are msgspec ``Struct``s encoded as msgpack (never pickle). ``tag=True`` puts the class name on the wire,
+so a decoder for an edge's union accepts exactly that edge's messages and rejects anything else.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Union
+
+import msgspec
+
+# ----------------------------------------------------------------------------- shared pieces
+
+
+class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+    """Sampling knobs, SGLang's names. ``temperature == 0`` means greedy; ``top_k == -1`` means off."""
+
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    stop: Union[str, list[str], None] = None
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+    seed: int | None = None
+
+    def stop_strings(self) -> list[str]:
+        """``stop`` as a list (a single string becomes a one-element list)."""
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+
+class ChatMessage(msgspec.Struct, forbid_unknown_fields=True):
+    """One chat turn; rendered through the model's chat template."""
+
+    role: str
+    content: str
+
+
+class FinishReason(msgspec.Struct, omit_defaults=True):
+    """Why a request ended: ``type`` is ``stop`` (EOS, stop token or string), ``length`` or ``abort``."""
+
+    type: str
+    matched: Union[int, str, None] = None
+    message: str | None = None
+
+
+class MetaInfo(msgspec.Struct):
+    """Per-request facts returned to clients (SGLang's ``meta_info``)."""
+
+    id: str
+    prompt_tokens: int
+    completion_tokens: int
+    finish_reason: FinishReason | None = None
+    lora_path: str | None = None
+
+
+class AdapterInfo(msgspec.Struct):
+    """One adapter as the registry and worker pools see it (for ``adapters.py list``)."""
+
+    name: str
+    uid: str
+    path: str
+    rank: int
+    pinned: bool
+    slots: dict[str, int] = {}  # "rank N" -> slot index, for ranks whose pool holds it
+
+
+# ----------------------------------------------------------------------------- client <-> tokenizer_proc
+
+
+class GenerateReq(msgspec.Struct, tag=True, forbid_unknown_fields=True):
+    """A generation request. Exactly one of ``text``, ``input_ids`` or ``messages`` is set."""
+
+    text: str | None = None
+    input_ids: list[int] | None = None
+    messages: list[ChatMessage] | None = None
+    sampling_params: SamplingParams = msgspec.field(default_factory=SamplingParams)
+    stream: bool = False
+    lora_path: str | None = None
+    rid: str | None = None
+
+
+class AbortReq(msgspec.Struct, tag=True, forbid_unknown_fields=True):
+    """Abort the caller's request ``rid``."""
+
+    rid: str
+
+
+class LoadLoraReq(msgspec.Struct, tag=True, forbid_unknown_fields=True):
+    """Load a PEFT adapter folder at run time under ``lora_name``."""
+
+    lora_name: str
+    lora_path: str
+    pinned: bool = False
+
+
+class UnloadLoraReq(msgspec.Struct, tag=True, forbid_unknown_fields=True):
+    """Unload adapter ``lora_name``: new requests are refused, in-flight ones finish first."""
+
+    lora_name: str
+
+
+class ListLorasReq(msgspec.Struct, tag=True, forbid_unknown_fields=True):
+    """List the registry's adapters and which slots hold them on each TP rank."""
+
+
+class HealthReq(msgspec.Struct, tag=True, forbid_unknown_fields=True):
+    """Liveness probe; answered with ``AdminOut``."""
+
+
+ClientMsg = Union[GenerateReq, AbortReq, LoadLoraReq, UnloadLoraReq, ListLorasReq, HealthReq]
+
+
+class GenerateOut(msgspec.Struct, tag=True):
+    """A result (``finished``) or a stream chunk; ``text`` and ``output_ids`` are cumulative."""
+
+    rid: str
+    text: str
+    output_ids: list[int]
+    meta_info: MetaInfo
+    finished: bool
+
+
+class ErrorOut(msgspec.Struct, tag=True):
+    """A request failed; ``message`` says what was wrong. ``rid`` is empty when the frame was unreadable."""
+
+    rid: str
+    message: str
+    kind: str = "bad_request"  # bad_request | not_found | server_error | aborted
+
+
+class AdminOut(msgspec.Struct, tag=True):
+    """Answer to an admin request (load/unload/health)."""
+
+    ok: bool
+    message: str = ""
+    info: dict[str, Any] = {}
+
+
+class LoraListOut(msgspec.Struct, tag=True):
+    """Answer to ``ListLorasReq``."""
+
+    adapters: list[AdapterInfo]
+
+
+ServerMsg = Union[GenerateOut, ErrorOut, AdminOut, LoraListOut]
+
+# ----------------------------------------------------------------------------- tokenizer_proc -> scheduler
+
+
+class TokenizedReq(msgspec.Struct, tag=True):
+    """A validated, tokenized request. ``lora_uid`` is the registry's uid (None = base model)."""
+
+    rid: str
+    input_ids: list[int]
+    sampling: SamplingParams
+    lora_uid: str | None = None
+    stream: bool = False
+
+
+class AbortRid(msgspec.Struct, tag=True):
+    """Abort ``rid`` wherever it is (waiting, running); its KV slots are freed at once."""
+
+    rid: str
+    reason: str = "aborted by client"
+
+
+class LoraLoadCmd(msgspec.Struct, tag=True):
+    """Load adapter ``uid`` on every TP rank; all succeed or all roll back."""
+
+    op_id: int
+    uid: str
+    name: str
+    path: str
+    pinned: bool = False
+
+
+class LoraUnloadCmd(msgspec.Struct, tag=True):
+    """Unload adapter ``uid`` on every rank once no waiting or running request uses it."""
+
+    op_id: int
+    uid: str
+
+
+class LoraSlotsQuery(msgspec.Struct, tag=True):
+    """Ask the scheduler for each rank's uid -> slot table (for ``adapters.py list``)."""
+
+    op_id: int
+
+
+class ShutdownCmd(msgspec.Struct, tag=True):
+    """Stop cleanly."""
+
+
+ToSchedulerMsg = Union[TokenizedReq, AbortRid, LoraLoadCmd, LoraUnloadCmd, LoraSlotsQuery, ShutdownCmd]
+
+# ----------------------------------------------------------------------------- scheduler -> tokenizer_proc
+
+
+class TokenOut(msgspec.Struct):
+    """New tokens for one request since the last message."""
+
+    rid: str
+    new_ids: list[int]
+    prompt_tokens: int
+    completion_tokens: int
+    finished: bool = False
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+
+
+class BatchTokenOut(msgspec.Struct, tag=True):
+    """One message per scheduler step carrying every request that changed."""
+
+    items: list[TokenOut]
+
+
+class LoraOpResult(msgspec.Struct, tag=True):
+    """Outcome of a ``LoraLoadCmd`` / ``LoraUnloadCmd`` / ``LoraSlotsQuery``."""
+
+    op_id: int
+    ok: bool
+    error: str = ""
+    slots: dict[str, dict[str, int]] = {}  # uid -> {"rank N": slot}
+
+
+class ClusterEvent(msgspec.Struct, tag=True):
+    """Something the front door must know: a worker restarted (its adapters lost), a fatal error."""
+
+    kind: str  # worker_restarted | fatal
+    message: str
+    rank: int = -1
+    lost_uids: list[str] = []
+
+
+ToTokenizerMsg = Union[BatchTokenOut, LoraOpResult, ClusterEvent]
+
+# ----------------------------------------------------------------------------- scheduler <-> gpu_worker
+
+
+class WorkerSampling(msgspec.Struct, array_like=True):
+    """What rank 0 needs to sample one request's next token."""
+
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int | None
+
+
+class BatchReq(msgspec.Struct, array_like=True):
+    """One request in a forward step.
+
+    ``input_ids`` are the tokens to run now (the whole prompt at prefill, the last token at decode);
+    ``prefix_len`` tokens are already in the KV cache; ``out_slots`` are the KV-cache token slots the new
+    tokens are written to (``len(out_slots) == len(input_ids)``); ``req_idx`` is the request's row in the
+    worker's request -> token-slot table.
+    """
+
+    rid: str
+    req_idx: int
+    input_ids: list[int]
+    prefix_len: int
+    out_slots: list[int]
+    lora_uid: str | None
+    sampling: WorkerSampling
+    output_len: int = 0  # tokens generated so far (seeds the per-request sampler deterministically)
+
+
+class ForwardBatch(msgspec.Struct, tag=True):
+    """The plan for one step, sent unchanged to every TP rank."""
+
+    step: int
+    reqs: list[BatchReq]
+
+
+class WorkerLoraLoad(msgspec.Struct, tag=True):
+    """Load adapter ``uid`` from ``path`` into host memory (validate, shard)."""
+
+    op_id: int
+    uid: str
+    name: str
+    path: str
+    pinned: bool = False
+
+
+class WorkerLoraUnload(msgspec.Struct, tag=True):
+    """Drop adapter ``uid`` from host memory and its slot (``rollback`` marks an undo of a failed load)."""
+
+    op_id: int
+    uid: str
+    rollback: bool = False
+
+
+class WorkerShutdown(msgspec.Struct, tag=True):
+    """Stop cleanly."""
+
+
+ToWorkerMsg = Union[ForwardBatch, WorkerLoraLoad, WorkerLoraUnload, WorkerShutdown]
+
+
+class WorkerReady(msgspec.Struct, tag=True):
+    """A worker rank is up: its KV capacity (tokens) and a fresh incarnation id (new at every start)."""
+
+    rank: int
+    incarnation: str
+    kv_capacity_tokens: int
+    loaded_uids: list[str] = []
+
+
+class StepResult(msgspec.Struct, tag=True):
+    """A rank finished step ``step``. ``next_ids`` (rank 0 only) has one token per request in plan order.
+
+    ``slot_digest`` hashes the rank's uid -> slot table and eviction order after the step so the scheduler can
+    check every rank made the same decisions. ``slots`` is that table (uid -> slot).
+    """
+
+    step: int
+    rank: int
+    next_ids: list[int]
+    slot_digest: str = ""
+    slots: dict[str, int] = {}
+    error: str | None = None
+
+
+class LoraOpAck(msgspec.Struct, tag=True):
+    """A rank's answer to a LoRA load/unload."""
+
+    op_id: int
+    rank: int
+    ok: bool
+    error: str = ""
+
+
+FromWorkerMsg = Union[WorkerReady, StepResult, LoraOpAck]
+
+# ----------------------------------------------------------------------------- every process -> launcher
+
+
+class ProcReady(msgspec.Struct, tag=True):
+    """A process finished start-up; ``facts`` are shown in the launcher's log."""
+
+    name: str
+    pid: int
+    facts: dict[str, Any] = {}
+
+
+class ProcFailed(msgspec.Struct, tag=True):
+    """A process could not start; ``error`` says why."""
+
+    name: str
+    pid: int
+    error: str
+
+
+ControlMsg = Union[ProcReady, ProcFailed]

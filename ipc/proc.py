@@ -1,0 +1,59 @@
+"""Process plumbing shared by every Loom process: config hand-off, signals, parent-death watch."""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import logging
+import os
+import signal
+import sys
+
+import msgspec
+
+from ipc.config import ServerArgs
+
+
+class StopRequested(Exception):
+    """Raised in the main loop when SIGTERM/SIGINT arrives."""
+
+
+def _raise_stop(signum: int, _frame: object) -> None:
+    raise StopRequested(signal.Signals(signum).name)
+
+
+def child_setup(name: str) -> tuple[ServerArgs, argparse.Namespace]:
+    """Common start of a child process: parse ``--config-file``, set logging and signal handlers.
+
+    SIGTERM raises :class:`StopRequested` (the launcher's way to stop us); SIGINT is ignored because the
+    launcher, not the terminal, decides when children stop. On Linux the child also asks the kernel for
+    SIGTERM if the launcher dies, so a killed launcher never leaves orphans.
+    """
+    p = argparse.ArgumentParser(prog=name)
+    p.add_argument("--config-file", required=True)
+    p.add_argument("--rank", type=int, default=0)
+    ns = p.parse_args()
+    with open(ns.config_file, "rb") as f:
+        args = msgspec.json.decode(f.read(), type=ServerArgs)
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format=f"%(asctime)s {name}{'' if name != 'gpu_worker' else ns.rank} %(levelname)s %(message)s",
+        stream=sys.stderr,
+    )
+    signal.signal(signal.SIGTERM, _raise_stop)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    set_parent_death_signal()
+    return args, ns
+
+
+def set_parent_death_signal() -> None:
+    """Ask Linux to send SIGTERM when the parent dies (no-op elsewhere)."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        if os.getppid() == 1:  # parent already gone before prctl took effect
+            os.kill(os.getpid(), signal.SIGTERM)
+    except OSError:
+        pass

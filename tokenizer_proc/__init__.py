@@ -1,0 +1,1 @@
+"""Front door: ZMQ ROUTER and HTTP, tokenize/detokenize, chat template, the LoRA registry."""

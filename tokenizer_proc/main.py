@@ -1,0 +1,201 @@
+"""tokenizer_proc process: the ZMQ ROUTER front door (and HTTP when ``--http-port`` is set)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import traceback
+
+import zmq
+import zmq.asyncio
+
+from ipc.codec import Codec, WireError
+from ipc.config import ServerArgs
+from ipc.messages import (
+    AbortReq,
+    AdminOut,
+    BatchTokenOut,
+    ClientMsg,
+    ClusterEvent,
+    ErrorOut,
+    GenerateReq,
+    HealthReq,
+    ListLorasReq,
+    LoadLoraReq,
+    LoraOpResult,
+    ServerMsg,
+    ShutdownCmd,
+    ToSchedulerMsg,
+    ToTokenizerMsg,
+    UnloadLoraReq,
+)
+from ipc.proc import child_setup
+from ipc.sockets import failed, make_socket, ready
+from tokenizer_proc.front_door import FrontDoor
+from tokenizer_proc.registry import AdapterRefused, UnknownAdapter
+
+log = logging.getLogger("tokenizer")
+SERVER_CODEC: Codec = Codec(ServerMsg)
+
+
+class ZmqSink:
+    """Replies to one DEALER client through the ROUTER; ``send`` is False once the client is unreachable."""
+
+    def __init__(self, router: zmq.asyncio.Socket, identity: bytes) -> None:
+        self.router = router
+        self.identity = identity
+
+    def send(self, msg: ServerMsg) -> bool:
+        """Send one reply without blocking; False if the client is gone."""
+        try:
+            self.router.send_multipart([self.identity, SERVER_CODEC.encode(msg)], zmq.NOBLOCK)
+            return True
+        except zmq.ZMQError:
+            return False
+
+
+class FrontDoorServer:
+    """Sockets and the asyncio tasks around :class:`FrontDoor`."""
+
+    def __init__(self, args: ServerArgs, ctx: zmq.asyncio.Context) -> None:
+        ep = args.endpoints
+        self.args = args
+        self.router = make_socket(ctx, zmq.ROUTER, ep.front, bind=True)
+        self.router.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        self.from_sched = make_socket(ctx, zmq.PULL, ep.to_tokenizer, bind=True)
+        self.to_sched = make_socket(ctx, zmq.PUSH, ep.to_scheduler, bind=False)
+        self.sched_out: Codec = Codec(ToSchedulerMsg)
+        self.sched_in: Codec = Codec(ToTokenizerMsg)
+        self.client_in: Codec = Codec(ClientMsg)
+        self.door = FrontDoor(args, self._send_sched)
+        self.sinks: dict[bytes, ZmqSink] = {}
+        self.stop = asyncio.Event()
+
+    def _send_sched(self, msg: object) -> None:
+        self.to_sched.send(self.sched_out.encode(msg), zmq.NOBLOCK)
+
+    def _sink(self, identity: bytes) -> ZmqSink:
+        s = self.sinks.get(identity)
+        if s is None:
+            s = self.sinks[identity] = ZmqSink(self.router, identity)
+        return s
+
+    async def serve_clients(self) -> None:
+        """Read client frames forever; a bad frame gets an ErrorOut, never a crash."""
+        while True:
+            parts = await self.router.recv_multipart()
+            if len(parts) != 2:
+                if parts:
+                    self._sink(parts[0]).send(ErrorOut("", f"expected one frame per message, got {len(parts) - 1}"))
+                continue
+            identity, frame = parts
+            sink = self._sink(identity)
+            try:
+                msg = self.client_in.decode(frame)
+            except WireError as e:
+                sink.send(ErrorOut("", str(e), "bad_request"))
+                continue
+            asyncio.ensure_future(self._handle(msg, sink))
+
+    async def _handle(self, msg: object, sink: ZmqSink) -> None:
+        try:
+            if isinstance(msg, GenerateReq):
+                await self.door.generate(msg, sink)
+            elif isinstance(msg, AbortReq):
+                self.door.abort(sink, msg.rid)
+            elif isinstance(msg, LoadLoraReq):
+                sink.send(await self.door.load_adapter(msg.lora_name, msg.lora_path, msg.pinned))
+            elif isinstance(msg, UnloadLoraReq):
+                sink.send(await self.door.unload_adapter(msg.lora_name))
+            elif isinstance(msg, ListLorasReq):
+                sink.send(await self.door.list_adapters())
+            elif isinstance(msg, HealthReq):
+                sink.send(AdminOut(True, "ok", {"running": len(self.door.pending)}))
+        except (AdapterRefused, UnknownAdapter) as e:
+            sink.send(AdminOut(False, str(e)))
+        except Exception as e:  # noqa: BLE001 - a handler bug answers this client, the server stays up
+            log.error("handler failed: %s", traceback.format_exc())
+            sink.send(AdminOut(False, f"internal error: {type(e).__name__}: {e}"))
+
+    async def serve_scheduler(self) -> None:
+        """Route scheduler output to clients."""
+        while True:
+            frame = await self.from_sched.recv()
+            try:
+                msg = self.sched_in.decode(frame)
+            except WireError as e:
+                log.error("dropping bad frame from scheduler: %s", e)
+                continue
+            if isinstance(msg, BatchTokenOut):
+                self.door.on_tokens(msg)
+            elif isinstance(msg, LoraOpResult):
+                self.door.on_op_result(msg)
+            elif isinstance(msg, ClusterEvent):
+                self.door.on_cluster_event(msg)
+
+    async def load_initial_adapters(self) -> None:
+        """Load ``--lora-paths`` adapters (deterministic uids); any failure stops start-up."""
+        for spec in self.args.lora_paths:
+            await self.door.load_adapter(spec.name, spec.path, spec.pinned, deterministic=True)
+
+    async def run(self) -> None:
+        """Start serving; returns on SIGTERM after telling the scheduler to stop."""
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(signal.SIGTERM, self.stop.set)
+        tasks = [asyncio.ensure_future(self.serve_scheduler())]
+        await self.load_initial_adapters()
+        tasks.append(asyncio.ensure_future(self.serve_clients()))
+        http = None
+        if self.args.http_port:
+            from tokenizer_proc.http_api import start_http
+
+            http = await start_http(self.door, self.args.http_host, self.args.http_port)
+        ready(
+            zmq.Context.instance(),
+            self.args.endpoints.control,
+            "tokenizer_proc",
+            front=self.args.endpoints.front,
+            http_port=self.args.http_port,
+            adapters=sorted(self.door.registry.loaded),
+        )
+        await self.stop.wait()
+        self.door.fail_all("server shutting down")
+        try:
+            self._send_sched(ShutdownCmd())
+        except zmq.ZMQError:
+            pass
+        for t in tasks:
+            t.cancel()
+        if http is not None:
+            http.close()
+
+
+def main() -> None:
+    """Entry point: ``python -m tokenizer_proc.main --config-file F``."""
+    args, _ = child_setup("tokenizer")
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:
+        pass
+    ctx = zmq.asyncio.Context()
+
+    async def amain() -> None:
+        server = FrontDoorServer(args, ctx)
+        await server.run()
+
+    try:
+        asyncio.run(amain())
+    except Exception as e:  # noqa: BLE001 - start-up or loop failure: tell the launcher, exit non-zero
+        log.error("tokenizer failed: %s", traceback.format_exc())
+        failed(zmq.Context.instance(), args.endpoints.control, "tokenizer_proc", f"{type(e).__name__}: {e}")
+        raise SystemExit(1) from None
+    finally:
+        ctx.destroy(0)
+        zmq.Context.instance().destroy(0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,60 @@
+"""Check a client's GenerateReq before it costs anything; every error names the bad field and value."""
+
+from __future__ import annotations
+
+from ipc.messages import GenerateReq
+
+MAX_TEMPERATURE = 100.0
+MAX_STOP_STRINGS = 16
+MAX_STOP_LEN = 256
+
+
+class BadRequest(ValueError):
+    """The request is malformed; the message names what is wrong."""
+
+
+def validate_sampling(req: GenerateReq, context_len: int, vocab_size: int) -> None:
+    """Raise BadRequest for a sampling value outside its range."""
+    sp = req.sampling_params
+    if not 1 <= sp.max_new_tokens <= context_len:
+        raise BadRequest(f"sampling_params.max_new_tokens={sp.max_new_tokens} must be in [1, {context_len}]")
+    if not 0.0 <= sp.temperature <= MAX_TEMPERATURE or sp.temperature != sp.temperature:
+        raise BadRequest(f"sampling_params.temperature={sp.temperature} must be in [0, {MAX_TEMPERATURE}]")
+    if not 0.0 < sp.top_p <= 1.0:
+        raise BadRequest(f"sampling_params.top_p={sp.top_p} must be in (0, 1]")
+    if sp.top_k != -1 and not 1 <= sp.top_k <= vocab_size:
+        raise BadRequest(f"sampling_params.top_k={sp.top_k} must be -1 (off) or in [1, {vocab_size}]")
+    stops = sp.stop_strings()
+    if len(stops) > MAX_STOP_STRINGS or any(not s or len(s) > MAX_STOP_LEN for s in stops):
+        raise BadRequest(
+            f"sampling_params.stop: at most {MAX_STOP_STRINGS} non-empty strings of at most {MAX_STOP_LEN} chars"
+        )
+    bad = [t for t in sp.stop_token_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise BadRequest(f"sampling_params.stop_token_ids {bad} are outside the vocabulary [0, {vocab_size})")
+    if sp.seed is not None and not 0 <= sp.seed < 2**63:
+        raise BadRequest(f"sampling_params.seed={sp.seed} must be in [0, 2**63)")
+
+
+def validate_prompt_ids(ids: list[int], max_new_tokens: int, context_len: int, vocab_size: int) -> None:
+    """Raise BadRequest for an empty prompt, ids outside the vocabulary or a prompt over the context."""
+    if not ids:
+        raise BadRequest("the prompt is empty")
+    for i, t in enumerate(ids):
+        if not 0 <= t < vocab_size:
+            raise BadRequest(f"input_ids[{i}]={t} is outside the vocabulary [0, {vocab_size})")
+    if len(ids) + max_new_tokens > context_len:
+        raise BadRequest(
+            f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the context length {context_len}"
+        )
+
+
+def check_one_prompt(req: GenerateReq) -> None:
+    """Raise BadRequest unless exactly one of text, input_ids, messages is given."""
+    given = [n for n in ("text", "input_ids", "messages") if getattr(req, n) is not None]
+    if len(given) != 1:
+        raise BadRequest(f"give exactly one of text, input_ids, messages (got {given or 'none'})")
+    if req.text is not None and not req.text:
+        raise BadRequest("the prompt is empty (text='')")
+    if req.messages is not None and not req.messages:
+        raise BadRequest("messages is empty")
