@@ -101,7 +101,16 @@ def read_adapter_config(folder: str | Path, name: str) -> LoraAdapterConfig:
         raise _refuse(name, "modules_to_save", raw["modules_to_save"], "full replacement modules are not served")
     if raw.get("fan_in_fan_out"):
         raise _refuse(name, "fan_in_fan_out", True, "Llama linears store weights as [out, in]")
-    for field in ("layer_replication", "target_parameters", "trainable_token_indices", "lora_bias", "use_qalora"):
+    for field in (
+        "layer_replication",
+        "target_parameters",
+        "trainable_token_indices",
+        "lora_bias",
+        "use_qalora",
+        "alora_invocation_tokens",  # activated LoRA: applies only after invocation tokens
+        "arrow_config",
+        "use_bdlora",
+    ):
         if raw.get(field):
             raise _refuse(name, field, raw[field], "changes the model in a way Loom does not implement")
     r = raw.get("r")

@@ -193,6 +193,10 @@ class Scheduler:
             reqs.append(r)
         if not plan:
             return None
+        # group requests by adapter so each adapter's tokens form one contiguous segment (fewer LoRA matmuls)
+        order = sorted(range(len(plan)), key=lambda i: plan[i].lora_uid or "")
+        plan = [plan[i] for i in order]
+        reqs = [reqs[i] for i in order]
         self._in_flight = reqs
         self._step += 1
         return ForwardBatch(step=self._step, reqs=plan)

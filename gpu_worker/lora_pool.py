@@ -1,0 +1,261 @@
+"""Per-rank LoRA memory pool: host tier, ``--max-loras-per-batch`` device slots, eviction, batched apply.
+
+Every TP rank runs its own pool and must reach the same decisions: a batch's adapter uids are always handled
+in sorted order (``None`` = base needs no slot), free slots are taken lowest first, and victims come from an
+explicit order list (LRU: least recently used first; FIFO: oldest load first), never from iterating a set
+or a str-keyed dict, whose order differs between processes with different ``PYTHONHASHSEED``. After each
+step the pool's digest (slot table + order) goes to the scheduler, which stops on any mismatch.
+
+The batched apply follows Punica's SGMV idea (arXiv 2310.18547): tokens sharing a slot form contiguous
+segments; each segment does shrink (``x @ A^T``, rank r) then expand (``@ B^T``) at its own rank, so no
+adapter is padded to the largest rank and base-only segments cost nothing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+
+import torch
+
+from gpu_worker.lora_cache import CacheKey, HostWeightCache
+from gpu_worker.lora_weights import module_dims, read_adapter, shard_range
+from gpu_worker.tp_plan import ShardPlan
+from ipc.config import ServerArgs
+from ipc.lora_config import LLAMA_LORA_MODULES, read_adapter_config
+from ipc.model_config import ModelConfig
+
+# fused base projections -> (sub-module, index of its block in the fused output)
+FUSED = {
+    "qkv": ("q_proj", "k_proj", "v_proj"),
+    "o": ("o_proj",),
+    "gate_up": ("gate_proj", "up_proj"),
+    "down": ("down_proj",),
+}
+
+
+class LoraPoolError(RuntimeError):
+    """The pool cannot serve a batch or a load (not loaded, all slots pinned or in use, over the limits)."""
+
+
+@dataclass
+class HostAdapter:
+    """An adapter in this rank's host tier: its (layer, module) -> rank map; tensors live in the cache."""
+
+    uid: str
+    name: str
+    pinned: bool
+    ranks: dict[tuple[int, str], int]
+
+
+class LoraPool:
+    """Slots and host tier of one TP rank.
+
+    Device buffers per layer and target module: ``A [slots, max_rank, in_local]`` and
+    ``B [slots, out_local, max_rank]`` (scaling folded into B). ``slot_rank[s][layer][module]`` is the rank
+    the slot's occupant has there, 0 where it has no weights (the buffer is zeroed too, so nothing of a
+    previous occupant can leak).
+    """
+
+    def __init__(
+        self, args: ServerArgs, cfg: ModelConfig, plan: ShardPlan, dtype: torch.dtype, device: torch.device, group=None
+    ) -> None:
+        self.cfg, self.plan, self.dtype, self.device = cfg, plan, dtype, device
+        self.n_slots = args.max_loras_per_batch
+        self.max_rank = args.max_lora_rank
+        self.policy = args.lora_eviction_policy
+        if self.policy not in ("lru", "fifo"):
+            raise ValueError(f"--lora-eviction-policy {self.policy!r}: choose lru or fifo")
+        self.targets = [m for m in LLAMA_LORA_MODULES if m in (args.lora_target_modules or LLAMA_LORA_MODULES)]
+        self.cache = HostWeightCache()
+        self.host: dict[str, HostAdapter] = {}
+        self.slot_uid: list[str | None] = [None] * self.n_slots
+        self.uid_slot: dict[str, int] = {}
+        self.order: list[str] = []  # uids in slots, eviction order (first = next victim)
+        self.slot_rank = [[dict.fromkeys(self.targets, 0) for _ in range(cfg.num_layers)] for _ in range(self.n_slots)]
+        self.A: list[dict[str, torch.Tensor]] = []
+        self.B: list[dict[str, torch.Tensor]] = []
+        for _ in range(cfg.num_layers):
+            a_l, b_l = {}, {}
+            for m in self.targets:
+                fin, fout = self._local_dims(m)
+                a_l[m] = torch.zeros(self.n_slots, self.max_rank, fin, dtype=dtype, device=device)
+                b_l[m] = torch.zeros(self.n_slots, fout, self.max_rank, dtype=dtype, device=device)
+            self.A.append(a_l)
+            self.B.append(b_l)
+
+    def _local_dims(self, module: str) -> tuple[int, int]:
+        fin, fout = module_dims(self.cfg, module)
+        lo, hi = shard_range(self.cfg, self.plan, module)
+        if module in ("o_proj", "down_proj"):
+            return hi - lo, fout
+        return fin, hi - lo
+
+    # ------------------------------------------------------------------ host tier
+    def host_uids(self) -> list[str]:
+        """uids in this rank's host tier, sorted."""
+        return sorted(self.host)
+
+    def load(self, uid: str, name: str, path: str, pinned: bool = False) -> None:
+        """Validate and read an adapter into the host tier (a pinned one also takes a slot now).
+
+        Raises LoraConfigError / LoraWeightsError / LoraPoolError naming the problem; nothing is kept then.
+        """
+        if uid in self.host:
+            return
+        acfg = read_adapter_config(path, name)
+        weights = read_adapter(path, name, acfg, self.cfg, self.plan, self.max_rank, self.dtype)
+        extra = sorted({m for (_, m) in weights} - set(self.targets))
+        if extra:
+            raise LoraPoolError(f"LoRA adapter {name} targets {extra}, outside --lora-target-modules {self.targets}")
+        if pinned and sum(self.host[u].pinned for u in self.host) + 1 >= self.n_slots:
+            raise LoraPoolError(
+                f"LoRA adapter {name}: pinning it would leave no free slot of {self.n_slots} for other adapters"
+            )
+        tp = (self.plan.rank, self.plan.tp_size)
+        try:
+            for (layer, m), (a, b) in weights.items():
+                self.cache.put(CacheKey(uid, layer, m, "A", *tp), a)
+                self.cache.put(CacheKey(uid, layer, m, "B", *tp), b)
+        except Exception:
+            self.cache.drop_uid(uid)
+            raise
+        self.host[uid] = HostAdapter(uid, name, pinned, {k: a.shape[0] for k, (a, _) in weights.items()})
+        if pinned:
+            self._ensure_slot(uid, protected=())
+
+    def unload(self, uid: str) -> None:
+        """Drop an adapter from its slot and the host tier (idempotent)."""
+        s = self.uid_slot.pop(uid, None)
+        if s is not None:
+            self.order.remove(uid)
+            self.slot_uid[s] = None
+            self._clear_slot(s)
+        self.host.pop(uid, None)
+        self.cache.drop_uid(uid)
+
+    # ------------------------------------------------------------------ slots
+    def _clear_slot(self, s: int) -> None:
+        for layer in range(self.cfg.num_layers):
+            for m in self.targets:
+                if self.slot_rank[s][layer][m]:
+                    self.A[layer][m][s].zero_()
+                    self.B[layer][m][s].zero_()
+                    self.slot_rank[s][layer][m] = 0
+
+    def _write_slot(self, s: int, uid: str) -> None:
+        """Copy ``uid``'s shards into slot ``s``; modules it lacks are zeroed and get rank 0."""
+        ad = self.host[uid]
+        tp = (self.plan.rank, self.plan.tp_size)
+        nb = self.device.type == "cuda"
+        for layer in range(self.cfg.num_layers):
+            for m in self.targets:
+                r = ad.ranks.get((layer, m), 0)
+                old = self.slot_rank[s][layer][m]
+                if r == 0:
+                    if old:
+                        self.A[layer][m][s].zero_()
+                        self.B[layer][m][s].zero_()
+                    self.slot_rank[s][layer][m] = 0
+                    continue
+                fin, fout = self._local_dims(m)
+                a = self.cache.get(CacheKey(uid, layer, m, "A", *tp), (r, fin), self.dtype)
+                b = self.cache.get(CacheKey(uid, layer, m, "B", *tp), (fout, r), self.dtype)
+                if old > r:  # the previous occupant's extra rank columns must not survive
+                    self.A[layer][m][s, r:old].zero_()
+                    self.B[layer][m][s, :, r:old].zero_()
+                self.A[layer][m][s, :r].copy_(a, non_blocking=nb)
+                self.B[layer][m][s, :, :r].copy_(b, non_blocking=nb)
+                self.slot_rank[s][layer][m] = r
+
+    def _ensure_slot(self, uid: str, protected: tuple[str, ...] | list[str]) -> int:
+        s = self.uid_slot.get(uid)
+        if s is not None:
+            if self.policy == "lru":
+                self.order.remove(uid)
+                self.order.append(uid)
+            return s
+        if uid not in self.host:
+            raise LoraPoolError(f"LoRA adapter uid {uid} is not loaded on TP rank {self.plan.rank}")
+        free = [i for i, u in enumerate(self.slot_uid) if u is None]
+        if free:
+            s = free[0]
+        else:
+            victim = next((u for u in self.order if u not in protected and not self.host[u].pinned), None)
+            if victim is None:
+                raise LoraPoolError(
+                    f"all {self.n_slots} LoRA slots on TP rank {self.plan.rank} hold pinned or in-batch adapters"
+                )
+            s = self.uid_slot.pop(victim)
+            self.order.remove(victim)
+        self._write_slot(s, uid)
+        self.slot_uid[s] = uid
+        self.uid_slot[uid] = s
+        self.order.append(uid)
+        return s
+
+    def assign(self, uids: list[str | None]) -> list[int]:
+        """Give every distinct adapter of a batch a slot; return each request's slot (-1 = base).
+
+        The distinct uids are visited in sorted order, and none of them can evict another one of the batch.
+        """
+        needed = sorted({u for u in uids if u is not None})
+        if len(needed) > self.n_slots:
+            raise LoraPoolError(
+                f"batch needs {len(needed)} adapters but TP rank {self.plan.rank} has {self.n_slots} slots"
+            )
+        for u in needed:
+            self._ensure_slot(u, protected=needed)
+        return [-1 if u is None else self.uid_slot[u] for u in uids]
+
+    def prepare(self, uids: list[str | None], ext_lens: list[int]) -> LoraBatch | None:
+        """Slots for this step's requests and their token segments; None for a base-only batch."""
+        slots = self.assign(uids)
+        if all(s < 0 for s in slots):
+            return None
+        segs: list[tuple[int, int, int]] = []  # (slot, token start, token end), merged when adjacent
+        t = 0
+        for s, n in zip(slots, ext_lens, strict=True):
+            if s >= 0:
+                if segs and segs[-1][0] == s and segs[-1][2] == t:
+                    segs[-1] = (s, segs[-1][1], t + n)
+                else:
+                    segs.append((s, t, t + n))
+            t += n
+        return LoraBatch(self, segs)
+
+    def table(self) -> dict[str, int]:
+        """uid -> slot for every occupied slot."""
+        return {u: s for s, u in enumerate(self.slot_uid) if u is not None}
+
+    def digest(self) -> tuple[str, dict[str, int]]:
+        """Hash of (slot table, eviction order) and the table itself, for the cross-rank check."""
+        state = json.dumps({"slots": self.slot_uid, "order": self.order}, separators=(",", ":"))
+        return hashlib.sha256(state.encode()).hexdigest()[:16], self.table()
+
+
+class LoraBatch:
+    """The LoRA work of one step: segments of tokens sharing a slot. Implements ``model.LoraApplier``."""
+
+    def __init__(self, pool: LoraPool, segments: list[tuple[int, int, int]]) -> None:
+        self.pool = pool
+        self.segments = segments
+
+    def add(self, layer: int, fused: str, x: torch.Tensor, out: torch.Tensor) -> None:
+        """``out[t0:t1, cols] += (x[t0:t1] @ A[s,:r]^T) @ B[s,:,:r]^T`` per segment and sub-module.
+
+        ``x`` is ``[T, in_local]``, ``out`` ``[T, out_local]`` (the fused projection's output; for row layers
+        the rank's partial sum before the all-reduce, which is exact because the expand is linear).
+        """
+        p = self.pool
+        col = 0
+        for m in FUSED[fused]:
+            width = p._local_dims(m)[1]
+            if m in p.A[layer]:
+                A, B, ranks = p.A[layer][m], p.B[layer][m], p.slot_rank
+                for s, t0, t1 in self.segments:
+                    r = ranks[s][layer][m]
+                    if r:
+                        out[t0:t1, col : col + width] += (x[t0:t1] @ A[s, :r].T) @ B[s, :, :r].T
+            col += width

@@ -1,0 +1,151 @@
+"""Read a PEFT adapter's safetensors, check every tensor against the base model, cut this rank's shard.
+
+All validation happens here, at load time, never inside a forward step. Errors name the adapter and the
+file, tensor or field that is wrong. ``.bin`` (pickle) files are never opened.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from gpu_worker.tp_plan import ShardPlan
+from ipc.lora_config import LLAMA_LORA_MODULES, WEIGHTS_FILE, LoraAdapterConfig
+from ipc.model_config import ModelConfig
+
+_KEY = re.compile(
+    r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.default)?\.weight$"
+)
+COLUMN_MODULES = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+
+
+class LoraWeightsError(ValueError):
+    """An adapter's weights file is missing, unreadable or disagrees with the base model."""
+
+
+def module_dims(cfg: ModelConfig, module: str) -> tuple[int, int]:
+    """``(in_features, out_features)`` of a base Llama linear."""
+    h, d = cfg.hidden_size, cfg.head_dim
+    return {
+        "q_proj": (h, cfg.num_heads * d),
+        "k_proj": (h, cfg.num_kv_heads * d),
+        "v_proj": (h, cfg.num_kv_heads * d),
+        "o_proj": (cfg.num_heads * d, h),
+        "gate_proj": (h, cfg.intermediate_size),
+        "up_proj": (h, cfg.intermediate_size),
+        "down_proj": (cfg.intermediate_size, h),
+    }[module]
+
+
+def module_path(layer: int, module: str) -> str:
+    """PEFT's module path, used to match ``rank_pattern``/``alpha_pattern``."""
+    block = "mlp" if module in ("gate_proj", "up_proj", "down_proj") else "self_attn"
+    return f"model.layers.{layer}.{block}.{module}"
+
+
+def shard_range(cfg: ModelConfig, plan: ShardPlan, module: str) -> tuple[int, int]:
+    """The slice of the module's sharded dimension this rank owns (output rows for column layers,
+    input columns for row layers)."""
+    d = cfg.head_dim
+    if module == "q_proj" or module == "o_proj":
+        return plan.q_heads[0] * d, plan.q_heads[1] * d
+    if module in ("k_proj", "v_proj"):
+        return plan.kv_heads[0] * d, plan.kv_heads[1] * d
+    return plan.ffn
+
+
+def read_adapter(
+    folder: str | Path,
+    name: str,
+    acfg: LoraAdapterConfig,
+    cfg: ModelConfig,
+    plan: ShardPlan,
+    max_rank: int,
+    dtype: torch.dtype,
+) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
+    """Return ``{(layer, module): (A, B)}`` for this rank, CPU tensors in ``dtype``.
+
+    ``A`` is ``[r, in_local]`` and ``B`` ``[out_local, r]`` with the module's scaling folded into ``B``.
+    Column layers (q/k/v/gate/up) keep A whole and split B by output rows (q/k/v by the same KV-group split
+    as the base weights); row layers (o/down) split A by input columns and keep B whole (S-LoRA §5).
+
+    Raises:
+        LoraWeightsError: zero-byte or truncated file, a tensor that is not a LoRA weight of a Llama
+            linear, a layer/module the model lacks, an unpaired A/B, a shape that does not match the base
+            model or the config's rank, a rank above ``max_rank``, or non-finite values.
+    """
+    path = Path(folder) / WEIGHTS_FILE
+    if not path.is_file():
+        raise LoraWeightsError(f"LoRA adapter {name}: {path} is missing")
+    if path.stat().st_size == 0:
+        raise LoraWeightsError(f"LoRA adapter {name}: {path} is empty (0 bytes)")
+    try:
+        handle = safe_open(str(path), framework="pt")
+        keys = list(handle.keys())
+    except Exception as e:  # noqa: BLE001 - safetensors raises several types for corrupt files
+        raise LoraWeightsError(f"LoRA adapter {name}: {path} is not a readable safetensors file: {e}") from None
+    found: dict[tuple[int, str], dict[str, str]] = {}
+    for key in keys:
+        m = _KEY.match(key)
+        if m is None:
+            raise LoraWeightsError(
+                f"LoRA adapter {name}: tensor {key} in {path.name} is not a LoRA A/B weight of a Llama linear"
+            )
+        layer, module, ab = int(m.group(1)), m.group(2), m.group(3)
+        if module not in LLAMA_LORA_MODULES:
+            raise LoraWeightsError(f"LoRA adapter {name}: tensor {key} targets module {module}, which the model lacks")
+        if layer >= cfg.num_layers:
+            raise LoraWeightsError(
+                f"LoRA adapter {name}: tensor {key} targets layer {layer}; the model has {cfg.num_layers}"
+            )
+        found.setdefault((layer, module), {})[ab] = key
+    if not found:
+        raise LoraWeightsError(f"LoRA adapter {name}: {path.name} holds no LoRA weights")
+    out: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
+    for (layer, module), ab in sorted(found.items()):
+        if set(ab) != {"A", "B"}:
+            missing = "B" if "A" in ab else "A"
+            raise LoraWeightsError(f"LoRA adapter {name}: layer {layer} {module} has no lora_{missing} weight")
+        try:
+            a = handle.get_tensor(ab["A"])
+            b = handle.get_tensor(ab["B"])
+        except Exception as e:  # noqa: BLE001
+            raise LoraWeightsError(
+                f"LoRA adapter {name}: cannot read {ab['A']}/{ab['B']} from {path.name}: {e}"
+            ) from None
+        fin, fout = module_dims(cfg, module)
+        r = a.shape[0] if a.dim() == 2 else -1
+        if a.dim() != 2 or a.shape[1] != fin:
+            raise LoraWeightsError(
+                f"LoRA adapter {name}: tensor {ab['A']} has shape {list(a.shape)}, expected [r, {fin}]"
+            )
+        if b.dim() != 2 or tuple(b.shape) != (fout, r):
+            raise LoraWeightsError(
+                f"LoRA adapter {name}: tensor {ab['B']} has shape {list(b.shape)}, expected [{fout}, {r}]"
+            )
+        mpath = module_path(layer, module)
+        want = acfg.rank_for(mpath)
+        if r != want:
+            raise LoraWeightsError(
+                f"LoRA adapter {name}: tensor {ab['A']} has rank {r} but adapter_config.json "
+                f"(r / rank_pattern) says {want}"
+            )
+        if r > max_rank:
+            raise LoraWeightsError(f"LoRA adapter {name}: tensor {ab['A']} has rank {r} > --max-lora-rank {max_rank}")
+        a, b = a.float(), b.float()
+        if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
+            raise LoraWeightsError(f"LoRA adapter {name}: {ab['A']} or {ab['B']} holds NaN or Inf")
+        scale = acfg.scaling_for(mpath)
+        if not math.isfinite(scale):
+            raise LoraWeightsError(f"LoRA adapter {name}: scaling for {mpath} is not finite")
+        lo, hi = shard_range(cfg, plan, module)
+        if module in COLUMN_MODULES:
+            a_loc, b_loc = a, b[lo:hi]
+        else:
+            a_loc, b_loc = a[:, lo:hi], b
+        out[(layer, module)] = (a_loc.to(dtype).contiguous(), (b_loc * scale).to(dtype).contiguous())
+    return out
