@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import traceback
 from datetime import timedelta
 
@@ -47,6 +48,9 @@ def main() -> None:
     sock = None
     try:
         device = pick_device(args.device, rank)
+        if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+            # ranks share the machine's cores; oversubscribed OpenMP threads spin and slow every rank down
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.tp_size))
         group = init_distributed(args.endpoints.dist_init, rank, args.tp_size, device)
         worker = Worker(args, rank, group, device)
         in_codec: Codec = Codec(ToWorkerMsg)
