@@ -40,7 +40,10 @@ def loom_tps(endpoint: str, prompts: list, loras: list[str | None], new_tokens: 
             await c.generate(messages=prompts[0], sampling_params={**sp, "max_new_tokens": 2})  # warm-up
             t = time.perf_counter()
             outs = await asyncio.gather(
-                *[c.generate(messages=m, sampling_params=sp, lora_path=lo) for m, lo in zip(prompts, loras)]
+                *[
+                    c.generate(messages=m, sampling_params=sp, lora_path=lo)
+                    for m, lo in zip(prompts, loras, strict=True)
+                ]
             )
             return sum(o["meta_info"]["completion_tokens"] for o in outs) / (time.perf_counter() - t)
         finally:
