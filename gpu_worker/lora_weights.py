@@ -137,7 +137,8 @@ def read_adapter(
         if r > max_rank:
             raise LoraWeightsError(f"LoRA adapter {name}: tensor {ab['A']} has rank {r} > --max-lora-rank {max_rank}")
         a, b = a.float(), b.float()
-        if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
+        # one reduction per tensor: a NaN/Inf anywhere (or an overflowing magnitude) makes the sum non-finite
+        if not (math.isfinite(float(a.sum())) and math.isfinite(float(b.sum()))):
             raise LoraWeightsError(f"LoRA adapter {name}: {ab['A']} or {ab['B']} holds NaN or Inf")
         scale = acfg.scaling_for(mpath)
         if not math.isfinite(scale):

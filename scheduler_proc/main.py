@@ -171,6 +171,7 @@ class SchedulerLoop:
     def _sync_pins(self) -> None:
         s = self.sched
         s.pinned_uids = {u for u, p in self.ops.pinned.items() if p}
+        s.loaded_uids = set(self.ops.pinned)
         s.blocked_uids &= set(self.ops.pinned) | {
             c.cmd.uid for c in self.ops.pending.values() if isinstance(c.cmd, LoraUnloadCmd)
         }

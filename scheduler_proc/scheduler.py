@@ -77,6 +77,8 @@ class Scheduler:
         self.waiting: deque[Req] = deque()
         self.running: dict[str, Req] = {}
         self.blocked_uids: set[str] = set()  # adapters being unloaded: refuse new requests
+        # adapters every rank confirmed loading; None = not tracked (the process loop tracks it)
+        self.loaded_uids: set[str] | None = None
         self._arrivals = 0
         self._step = 0
         self._in_flight: list[Req] | None = None
@@ -101,6 +103,8 @@ class Scheduler:
             err = f"prompt + max_new_tokens = {need} tokens exceeds the whole KV pool ({self.kv.slots.capacity})"
         elif msg.lora_uid is not None and msg.lora_uid in self.blocked_uids:
             err = f"LoRA adapter {msg.lora_uid} is being unloaded"
+        elif msg.lora_uid is not None and self.loaded_uids is not None and msg.lora_uid not in self.loaded_uids:
+            err = f"LoRA adapter uid {msg.lora_uid} is not loaded on the workers (reload it)"
         if err is not None:
             return [TokenOut(msg.rid, [], n, 0, True, FinishReason("abort", message=err), error=err)]
         stop_ids = frozenset(sp.stop_token_ids) | (frozenset() if sp.ignore_eos else self.eos_ids)
