@@ -104,6 +104,7 @@ class SchedulerLoop:
             detokenize=lambda ids: tok.decode(ids, skip_special_tokens=True),
             max_loras_per_batch=self.args.max_loras_per_batch,
         )
+        self.sched.loaded_uids = set()
 
     # ------------------------------------------------------------------ sending
     def _to_front(self, msg: object) -> None:
