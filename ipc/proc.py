@@ -14,8 +14,8 @@ import msgspec
 from ipc.config import ServerArgs
 
 
-class StopRequested(Exception):
-    """Raised in the main loop when SIGTERM/SIGINT arrives."""
+class StopRequested(BaseException):
+    """Raised in the main loop when SIGTERM arrives (a BaseException so ``except Exception`` never eats it)."""
 
 
 def _raise_stop(signum: int, _frame: object) -> None:

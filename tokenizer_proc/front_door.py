@@ -71,6 +71,8 @@ class FrontDoor:
         self.codec = TextCodec(args.model_path)
         cfg = load_model_config(args.model_path)
         self.context_len = args.context_length or cfg.max_position_embeddings
+        if args.max_total_tokens:  # the scheduler caps the context at the KV pool too
+            self.context_len = min(self.context_len, args.max_total_tokens)
         self.vocab_size = cfg.vocab_size
         self.registry = LoraRegistry(
             lora_root=args.lora_root, max_lora_rank=args.max_lora_rank, max_loaded=args.max_loaded_loras

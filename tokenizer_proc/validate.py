@@ -49,8 +49,13 @@ def validate_prompt_ids(ids: list[int], max_new_tokens: int, context_len: int, v
         )
 
 
+MAX_RID_LEN = 256
+
+
 def check_one_prompt(req: GenerateReq) -> None:
-    """Raise BadRequest unless exactly one of text, input_ids, messages is given."""
+    """Raise BadRequest unless exactly one of text, input_ids, messages is given (and the rid is sane)."""
+    if req.rid is not None and not 0 < len(req.rid) <= MAX_RID_LEN:
+        raise BadRequest(f"rid must be 1 to {MAX_RID_LEN} characters (got {len(req.rid)})")
     given = [n for n in ("text", "input_ids", "messages") if getattr(req, n) is not None]
     if len(given) != 1:
         raise BadRequest(f"give exactly one of text, input_ids, messages (got {given or 'none'})")

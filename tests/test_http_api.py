@@ -1,0 +1,516 @@
+"""End-to-end tests of the HTTP API (tokenizer_proc/http_api.py).
+
+A real cluster is started the way a user starts one (``python launch.py --http-port ...``) and driven with the
+standard library only: ``http.client`` for HTTP, and a raw ``socket`` for requests no HTTP client would send.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import http.client
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from ipc.messages import AdminOut, ErrorOut, FinishReason, GenerateOut, GenerateReq, MetaInfo
+from tokenizer_proc.http_api import HttpApi, HttpSink, start_http
+
+ROOT = Path(__file__).resolve().parent.parent
+READY_TIMEOUT_S = 300.0  # the first run ever converts the embedded GGUF (about 20 s), later ones take ~10 s
+STOP_TIMEOUT_S = 20.0
+FRANCE = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
+
+slow = pytest.mark.slow  # tests that start a cluster
+
+
+# ----------------------------------------------------------------------------- cluster
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Cluster:
+    """A ``launch.py`` subprocess with the HTTP API on ``port``; its output is collected in ``lines``."""
+
+    def __init__(self, extra: list[str]) -> None:
+        self.port = _free_port()
+        # a short folder: unix socket paths are limited to 107 bytes and pytest's tmp_path can be long
+        self.sock_dir = tempfile.mkdtemp(prefix="loom-http-", dir="/tmp" if os.path.isdir("/tmp") else None)
+        cmd = [sys.executable, "launch.py", "--http-port", str(self.port), "--max-total-tokens", "4096"]
+        cmd += ["--zmq-endpoint", f"ipc://{self.sock_dir}/x.sock", *extra]
+        self.lines: list[str] = []
+        self.ready = threading.Event()
+        self.proc = subprocess.Popen(
+            cmd,
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
+        threading.Thread(target=self._pump, daemon=True).start()
+
+    def _pump(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(line.rstrip("\n"))
+            if line.startswith("Loom ready:"):
+                self.ready.set()
+
+    def output(self) -> str:
+        """The cluster's log so far (for failure messages)."""
+        return "\n".join(self.lines[-60:])
+
+    def wait_ready(self) -> None:
+        """Block until ``Loom ready:``; fail with the log if the launcher exits or hangs."""
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while not self.ready.wait(0.2):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                pytest.fail(f"cluster did not become ready (exit code {self.proc.returncode}):\n{self.output()}")
+
+    def child_pids(self) -> list[int]:
+        """Pids the launcher reported for its children (they run in their own sessions)."""
+        return [int(m.group(1)) for line in self.lines if (m := re.search(r" ready \(pid (\d+)\)", line))]
+
+    def stop(self) -> None:
+        """SIGINT the launcher; past STOP_TIMEOUT_S kill its process group and every child it reported."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+        try:
+            code = self.proc.wait(STOP_TIMEOUT_S)
+            shutil.rmtree(self.sock_dir, ignore_errors=True)
+            if code != 0 and self.ready.is_set():
+                pytest.fail(f"launcher exited with code {code} (a process died?):\n{self.output()}")
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            for pid in self.child_pids():
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(pid, signal.SIGKILL)
+            self.proc.wait(10)
+            shutil.rmtree(self.sock_dir, ignore_errors=True)
+            pytest.fail(f"launcher did not stop within {STOP_TIMEOUT_S} s of SIGINT:\n{self.output()}")
+
+
+@contextlib.contextmanager
+def running_cluster(extra: list[str] | None = None) -> Iterator[Cluster]:
+    """Start a cluster, yield it once ready, always stop it."""
+    c = Cluster(extra or [])
+    try:
+        c.wait_ready()
+        yield c
+    finally:
+        c.stop()
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[Cluster]:
+    with running_cluster() as c:
+        yield c
+
+
+# ----------------------------------------------------------------------------- HTTP helpers
+
+
+def call(
+    port: int, method: str, path: str, body: object = None, conn: http.client.HTTPConnection | None = None
+) -> tuple[int, dict[str, str], bytes]:
+    """One request; ``body`` is JSON-encoded unless it is bytes. Returns (status, lower-cased headers, body)."""
+    c = conn or http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+    data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
+    headers = {"Content-Type": "application/json"} if data is not None else {}
+    c.request(method, path, body=data, headers=headers)
+    r = c.getresponse()
+    out = r.status, {k.lower(): v for k, v in r.getheaders()}, r.read()
+    if conn is None:
+        c.close()
+    return out
+
+
+def call_json(port: int, method: str, path: str, body: object = None) -> tuple[int, dict]:
+    status, headers, data = call(port, method, path, body)
+    assert headers["content-type"].startswith("application/json"), headers
+    return status, json.loads(data)
+
+
+def raw(port: int, data: bytes) -> bytes:
+    """Send raw bytes, return everything the server answers before it closes the connection."""
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+        s.sendall(data)
+        out = b""
+        while chunk := s.recv(65536):
+            out += chunk
+    return out
+
+
+def read_events(r: http.client.HTTPResponse) -> list[str]:
+    """The ``data:`` payloads of a server-sent-event response, in order."""
+    events = []
+    while line := r.readline():
+        line = line.rstrip(b"\r\n")
+        if line.startswith(b"data: "):
+            events.append(line[len(b"data: ") :].decode())
+        else:
+            assert line == b"", f"unexpected SSE line {line!r}"
+    return events
+
+
+def assert_healthy(port: int) -> None:
+    assert call_json(port, "GET", "/health") == (200, {"status": "ok"})
+
+
+def running_requests(port: int) -> float:
+    _, _, data = call(port, "GET", "/metrics")
+    m = re.search(rb"^loom_running_requests (\S+)$", data, re.M)
+    assert m is not None, data[:2000]
+    return float(m.group(1))
+
+
+def wait_idle(port: int, within_s: float) -> None:
+    """Wait until the front door has no request in flight (an abort must have happened)."""
+    deadline = time.monotonic() + within_s
+    while running_requests(port) != 0:
+        assert time.monotonic() < deadline, "request still running after its client disconnected"
+        time.sleep(0.1)
+
+
+# ----------------------------------------------------------------------------- tests
+
+
+@slow
+def test_health_and_model_info(server: Cluster) -> None:
+    assert_healthy(server.port)
+    status, info = call_json(server.port, "GET", "/get_model_info")
+    assert status == 200 and info["model_path"] and info["is_generation"] is True
+
+
+@slow
+def test_generate_greedy(server: Cluster) -> None:
+    req = {"messages": FRANCE, "sampling_params": {"temperature": 0, "max_new_tokens": 16}}
+    status, out = call_json(server.port, "POST", "/generate", req)
+    assert status == 200, out
+    assert "Paris" in out["text"], out
+    meta = out["meta_info"]
+    assert meta["completion_tokens"] == len(out["output_ids"]) and meta["prompt_tokens"] > 0
+    assert meta["finish_reason"]["type"] in ("stop", "length")
+
+
+@slow
+def test_generate_stream_is_cumulative(server: Cluster) -> None:
+    c = http.client.HTTPConnection("127.0.0.1", server.port, timeout=120)
+    req = {"text": "Once upon a time", "stream": True, "sampling_params": {"temperature": 0, "max_new_tokens": 6}}
+    c.request("POST", "/generate", body=json.dumps(req), headers={"Content-Type": "application/json"})
+    r = c.getresponse()
+    assert r.status == 200 and r.getheader("Content-Type", "").startswith("text/event-stream")
+    events = read_events(r)
+    assert events[-1] == "[DONE]" and len(events) >= 2, events
+    chunks = [json.loads(e) for e in events[:-1]]
+    for prev, cur in zip(chunks, chunks[1:], strict=False):
+        assert (
+            cur["text"].startswith(prev["text"]) and cur["output_ids"][: len(prev["output_ids"])] == prev["output_ids"]
+        )
+    assert chunks[-1]["meta_info"]["completion_tokens"] == 6 == len(chunks[-1]["output_ids"])
+    assert chunks[-1]["meta_info"]["finish_reason"]["type"] == "length"
+    assert all(ch["meta_info"]["finish_reason"] is None for ch in chunks[:-1])
+    # the connection is reusable after a complete chunked stream
+    sock = c.sock
+    assert call(server.port, "GET", "/health", conn=c)[0] == 200 and c.sock is sock
+    c.close()
+
+
+@slow
+@pytest.mark.parametrize(
+    ("body", "status", "needle"),
+    [
+        (b"{not json", 400, "not valid JSON"),
+        (b"", 400, "empty"),
+        (b"[1, 2]", 400, "Expected `object`"),
+        ({"text": "hi", "temprature": 0}, 400, "temprature"),
+        ({"text": "hi", "sampling_params": {"max_tokens": 4}}, 400, "max_tokens"),
+        ({"text": ""}, 400, "empty"),
+        ({"text": "hi", "input_ids": [1]}, 400, "exactly one"),
+        ({"text": "hi", "sampling_params": {"temperature": -1}}, 400, "temperature"),
+        ({"text": "hi", "sampling_params": {"max_new_tokens": 100000}}, 400, "max_new_tokens"),
+        ({"text": "hi", "lora_path": "some-adapter"}, 400, "--enable-lora"),
+    ],
+)
+def test_generate_bad_request(server: Cluster, body: object, status: int, needle: str) -> None:
+    got, out = call_json(server.port, "POST", "/generate", body)
+    assert got == status, out
+    assert out["error"]["kind"] == "bad_request" and needle in out["error"]["message"], out
+    assert_healthy(server.port)
+
+
+@slow
+def test_routing_errors(server: Cluster) -> None:
+    status, out = call_json(server.port, "GET", "/no/such/path")
+    assert status == 404 and out["error"]["kind"] == "not_found"
+    status, headers, data = call(server.port, "GET", "/generate")
+    assert status == 405 and headers["allow"] == "POST", data
+    status, headers, _ = call(server.port, "POST", "/health", {})
+    assert status == 405 and headers["allow"] == "GET"
+    assert_healthy(server.port)
+
+
+@slow
+def test_protocol_errors(server: Cluster) -> None:
+    p = server.port
+    assert raw(p, b"NONSENSE\r\n\r\n").startswith(b"HTTP/1.1 400 ")
+    assert raw(p, b"GET /health HTTP/1.1\r\nno colon here\r\n\r\n").startswith(b"HTTP/1.1 400 ")
+    assert raw(p, b"GET /health HTTP/7.0\r\n\r\n").startswith(b"HTTP/1.1 505 ")
+    assert raw(p, b"POST /generate HTTP/1.1\r\nContent-Length: -1\r\n\r\n").startswith(b"HTTP/1.1 400 ")
+    chunked = b"POST /generate HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n"
+    assert raw(p, chunked).startswith(b"HTTP/1.1 411 ")
+    big = b"POST /generate HTTP/1.1\r\nContent-Length: %d\r\n\r\n" % (64 << 20)
+    assert raw(p, big).startswith(b"HTTP/1.1 413 ")
+    assert raw(p, b"GET /" + b"x" * 20000 + b" HTTP/1.1\r\n\r\n").startswith(b"HTTP/1.1 414 ")
+    # two pipelined requests on one connection, the second asking to close it
+    out = raw(p, b"GET /health HTTP/1.1\r\nHost: x\r\n\r\nGET /health HTTP/1.1\r\nConnection: close\r\n\r\n")
+    assert out.count(b"HTTP/1.1 200 OK") == 2 and out.endswith(b'{"status":"ok"}')
+    # HTTP/1.0: answered, then closed
+    assert raw(p, b"GET /health HTTP/1.0\r\n\r\n").endswith(b'{"status":"ok"}')
+    assert_healthy(p)
+
+
+@slow
+def test_keep_alive_survives_client_errors(server: Cluster) -> None:
+    c = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+    assert call(server.port, "GET", "/health", conn=c)[0] == 200
+    sock = c.sock
+    assert call(server.port, "POST", "/generate", b"{bad", conn=c)[0] == 400
+    assert call(server.port, "GET", "/nope", conn=c)[0] == 404
+    assert call(server.port, "GET", "/health", conn=c)[0] == 200
+    assert c.sock is sock, "a JSON-level error must not close the connection"
+    c.close()
+
+
+@slow
+def test_client_disconnect_aborts(server: Cluster) -> None:
+    p = server.port
+    long_req = {"text": "Tell me a story.", "sampling_params": {"max_new_tokens": 300, "ignore_eos": True}}
+    # streaming client leaves after the first chunk
+    c = http.client.HTTPConnection("127.0.0.1", p, timeout=60)
+    c.request("POST", "/generate", body=json.dumps({**long_req, "stream": True}))
+    r = c.getresponse()
+    assert r.status == 200
+    assert r.readline().startswith(b"data: {")
+    c.sock.shutdown(socket.SHUT_RDWR)
+    c.close()
+    wait_idle(p, 10.0)  # 300 tokens would take far longer than this
+    # non-streaming client leaves while waiting for its result
+    with socket.create_connection(("127.0.0.1", p)) as s:
+        body = json.dumps(long_req).encode()
+        s.sendall(b"POST /generate HTTP/1.1\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+        deadline = time.monotonic() + 10
+        while running_requests(p) == 0:  # it is running before its client leaves
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+    wait_idle(p, 10.0)
+    # the server still serves
+    status, out = call_json(p, "POST", "/generate", {"text": "Hello", "sampling_params": {"max_new_tokens": 3}})
+    assert status == 200 and out["meta_info"]["completion_tokens"] == 3
+
+
+@slow
+def test_lora_admin_without_lora(server: Cluster) -> None:
+    assert call_json(server.port, "GET", "/list_loras") == (200, {"adapters": []})
+    status, out = call_json(server.port, "POST", "/load_lora_adapter", {"lora_name": "a", "lora_path": "/tmp"})
+    assert status == 400 and "--enable-lora" in out["error"]["message"]
+    status, out = call_json(server.port, "POST", "/load_lora_adapter", {"lora_name": "a"})
+    assert status == 400 and "lora_path" in out["error"]["message"]
+    status, out = call_json(server.port, "POST", "/unload_lora_adapter", {"lora_name": "a"})
+    assert status == 404 and "never been loaded" in out["error"]["message"]
+
+
+@slow
+def test_metrics(server: Cluster) -> None:
+    status, headers, data = call(server.port, "GET", "/metrics")
+    assert status == 200 and headers["content-type"].startswith("text/plain")
+    assert b'loom_http_requests_total{path="/health",status="200"}' in data
+    assert b"loom_generate_e2e_seconds_count" in data
+
+
+def _make_adapter(folder: Path) -> None:
+    """A tiny random PEFT-format LoRA (r=4 on q_proj/v_proj of every layer) without importing peft."""
+    import torch
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True)
+    g = torch.Generator().manual_seed(0)
+    tensors = {}
+    for layer in range(30):
+        for mod, out_dim in (("q_proj", 576), ("v_proj", 192)):
+            pre = f"base_model.model.model.layers.{layer}.self_attn.{mod}"
+            tensors[f"{pre}.lora_A.weight"] = torch.randn(4, 576, generator=g) * 0.05
+            tensors[f"{pre}.lora_B.weight"] = torch.randn(out_dim, 4, generator=g) * 0.05
+    save_file(tensors, str(folder / "adapter_model.safetensors"))
+    cfg = {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"], "bias": "none"}
+    (folder / "adapter_config.json").write_text(json.dumps(cfg))
+
+
+@slow
+def test_lora_admin_endpoints(tmp_path: Path) -> None:
+    # its own cluster, with --enable-lora (in a full run the base cluster idles meanwhile)
+    adapter = tmp_path / "adapters" / "tiny"
+    _make_adapter(adapter)
+    with running_cluster(["--enable-lora", "--max-lora-rank", "8"]) as lc:
+        p = lc.port
+        status, out = call_json(p, "POST", "/load_lora_adapter", {"lora_name": "tiny", "lora_path": str(adapter)})
+        assert status == 200 and out["success"] is True, out
+        status, out = call_json(p, "GET", "/list_loras")
+        assert status == 200 and [a["name"] for a in out["adapters"]] == ["tiny"], out
+        assert out["adapters"][0]["rank"] == 4
+        status, out = call_json(p, "POST", "/load_lora_adapter", {"lora_name": "tiny", "lora_path": str(adapter)})
+        assert status == 400 and "already loaded" in out["error"]["message"]
+        status, out = call_json(
+            p, "POST", "/load_lora_adapter", {"lora_name": "bad", "lora_path": str(tmp_path / "missing")}
+        )
+        assert status == 400 and "bad" in out["error"]["message"]
+        req = {"text": "Hello", "lora_path": "tiny", "sampling_params": {"temperature": 0, "max_new_tokens": 3}}
+        status, out = call_json(p, "POST", "/generate", req)
+        assert status == 200 and out["meta_info"]["lora_path"] == "tiny", out
+        status, out = call_json(p, "POST", "/unload_lora_adapter", {"lora_name": "tiny"})
+        assert status == 200 and out["success"] is True, out
+        assert call_json(p, "GET", "/list_loras") == (200, {"adapters": []})
+        status, out = call_json(p, "POST", "/generate", req)
+        assert status == 404 and "never been loaded: tiny" in out["error"]["message"], out
+        status, out = call_json(p, "POST", "/generate", {**req, "stream": True})
+        assert status == 404 and out["error"]["kind"] == "not_found"
+
+
+# ----------------------------------------------------------------------------- in-process, with a scripted door
+# Paths a real cluster rarely takes on demand: errors after streaming began, server errors, shutdown mid-request.
+
+
+class FakeDoor:
+    """Stands in for FrontDoor: ``text`` picks a script of replies."""
+
+    def __init__(self) -> None:
+        self.args = SimpleNamespace(model_path="/models/fake", enable_lora=True)
+        self.context_len = 4096
+        self.vocab_size = 100
+        self.pending: dict[str, object] = {}
+        self.sinks: list[HttpSink] = []
+        self.aborted: list[str] = []
+
+    async def generate(self, req: GenerateReq, sink: HttpSink) -> None:
+        loop = asyncio.get_running_loop()
+        self.sinks.append(sink)
+
+        def chunk(n: int, finished: bool = False) -> GenerateOut:
+            fr = FinishReason("length") if finished else None
+            return GenerateOut("r", "ab"[:n], list(range(n)), MetaInfo("r", 3, n, fr), finished)
+
+        if req.text == "midstream-error":
+            loop.call_later(0.01, sink.send, chunk(1))
+            loop.call_later(0.05, sink.send, ErrorOut("r", "rank 1 died", "server_error"))
+        elif req.text == "not-found":
+            sink.send(ErrorOut("r", "no such adapter", "not_found"))
+        elif req.text == "crash":
+            raise KeyError("bug")
+        elif req.text == "hang":
+            if req.stream:
+                loop.call_later(0.01, sink.send, chunk(1))
+        else:
+            loop.call_later(0.01, sink.send, chunk(1))
+            loop.call_later(0.02, sink.send, chunk(2, finished=True))
+
+    def abort_sink(self, sink: HttpSink, reason: str) -> None:
+        self.aborted.append(reason)
+
+    def fail_all(self, message: str) -> None:
+        for s in self.sinks:
+            s.send(ErrorOut("r", message, "server_error"))
+
+    async def load_adapter(self, name: str, path: str, pinned: bool = False) -> AdminOut:
+        raise RuntimeError("LoRA operation 1 got no answer in 300 s")
+
+
+Fake = tuple[HttpApi, FakeDoor, asyncio.AbstractEventLoop]
+
+
+@pytest.fixture
+def fake() -> Iterator[Fake]:
+    """An HttpApi over a FakeDoor, served from an event loop in a background thread."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    door = FakeDoor()
+    api = asyncio.run_coroutine_threadsafe(start_http(door, "127.0.0.1", 0), loop).result(10)  # type: ignore[arg-type]
+    try:
+        yield api, door, loop
+    finally:
+        loop.call_soon_threadsafe(api.close)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        loop.close()
+
+
+def _post(port: int, body: dict) -> http.client.HTTPResponse:
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    c.request("POST", "/generate", body=json.dumps(body))
+    return c.getresponse()
+
+
+def test_fake_error_mapping(fake: Fake) -> None:
+    api, door, _ = fake
+    assert call_json(api.port, "POST", "/generate", {"text": "ok"})[1]["text"] == "ab"
+    status, out = call_json(api.port, "POST", "/generate", {"text": "midstream-error"})
+    assert status == 500 and out == {"error": {"message": "rank 1 died", "kind": "server_error"}}
+    status, out = call_json(api.port, "POST", "/generate", {"text": "not-found", "stream": True})
+    assert status == 404 and out["error"]["kind"] == "not_found"
+    status, out = call_json(api.port, "POST", "/generate", {"text": "crash"})
+    assert status == 500 and "KeyError" in out["error"]["message"]
+    status, out = call_json(api.port, "POST", "/load_lora_adapter", {"lora_name": "a", "lora_path": "/x"})
+    assert status == 500 and "no answer" in out["error"]["message"]
+    assert call_json(api.port, "GET", "/get_model_info")[1]["model_path"] == "/models/fake"
+
+
+def test_fake_error_after_stream_started(fake: Fake) -> None:
+    api, _, _ = fake
+    r = _post(api.port, {"text": "midstream-error", "stream": True})
+    assert r.status == 200
+    events = read_events(r)
+    assert json.loads(events[0])["text"] == "a"
+    assert json.loads(events[1]) == {"error": {"message": "rank 1 died", "kind": "server_error"}}
+    assert events[2:] == ["[DONE]"]
+
+
+def test_fake_shutdown_answers_requests_in_flight(fake: Fake) -> None:
+    api, door, loop = fake
+    plain = http.client.HTTPConnection("127.0.0.1", api.port, timeout=10)
+    plain.request("POST", "/generate", body=json.dumps({"text": "hang"}))
+    stream = _post(api.port, {"text": "hang", "stream": True})
+    assert stream.readline().startswith(b"data: {")
+    deadline = time.monotonic() + 5
+    while len(door.sinks) < 2:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+
+    def shutdown() -> None:  # what tokenizer_proc.main does on SIGTERM
+        door.fail_all("server shutting down")
+        api.close()
+
+    loop.call_soon_threadsafe(shutdown)
+    r = plain.getresponse()
+    assert r.status == 500 and json.loads(r.read())["error"]["message"] == "server shutting down"
+    rest = read_events(stream)
+    assert rest == ['{"error":{"message":"server shutting down","kind":"server_error"}}', "[DONE]"], rest
