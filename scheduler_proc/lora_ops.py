@@ -34,20 +34,29 @@ class LoraOps:
         """Register a command from the front door."""
         self.pending[cmd.op_id] = PendingOp(cmd)
 
-    def ready_to_send(self, in_use: callable) -> list[WorkerLoraLoad | WorkerLoraUnload]:
-        """Worker messages for commands that can go now (an unload waits until ``in_use(uid)`` is False)."""
+    def ready_to_send(
+        self, in_use: callable, can_pin: callable = lambda: True
+    ) -> list[WorkerLoraLoad | WorkerLoraUnload]:
+        """Worker messages for commands that can go now (an unload waits until ``in_use(uid)`` is False, a
+        pinned load until ``can_pin()`` is True)."""
         out: list[WorkerLoraLoad | WorkerLoraUnload] = []
         for op in self.pending.values():
             if op.sent:
                 continue
             c = op.cmd
             if isinstance(c, LoraLoadCmd):
+                if c.pinned and not can_pin():
+                    continue
                 out.append(WorkerLoraLoad(c.op_id, c.uid, c.name, c.path, c.pinned))
                 op.sent = True
             elif not in_use(c.uid):
                 out.append(WorkerLoraUnload(c.op_id, c.uid))
                 op.sent = True
         return out
+
+    def pending_pins(self) -> set[str]:
+        """uids of pinned loads not yet answered by every rank."""
+        return {op.cmd.uid for op in self.pending.values() if isinstance(op.cmd, LoraLoadCmd) and op.cmd.pinned}
 
     def on_ack(self, ack: LoraOpAck) -> tuple[LoraOpResult | None, list[WorkerLoraUnload]]:
         """Record an ack. When all ranks answered, return the result and any rollback messages."""

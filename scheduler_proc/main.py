@@ -134,6 +134,7 @@ class SchedulerLoop:
             self._emit(s.abort(msg.rid, msg.reason))
         elif isinstance(msg, LoraLoadCmd):
             self.ops.start(msg)
+            s.reserved_pins = self.ops.pending_pins()
         elif isinstance(msg, LoraUnloadCmd):
             s.blocked_uids.add(msg.uid)
             self.ops.start(msg)
@@ -164,6 +165,7 @@ class SchedulerLoop:
             if result is not None:
                 if isinstance(result, LoraOpResult) and result.ok:
                     self._sync_pins()
+                self.sched.reserved_pins = self.ops.pending_pins()
                 self._to_front(result)
         elif isinstance(msg, WorkerReady):
             log.warning("rank %d re-registered (incarnation %s)", msg.rank, msg.incarnation)
@@ -196,7 +198,7 @@ class SchedulerLoop:
         poller.register(self.workers, zmq.POLLIN)
         while True:
             if not self.in_flight:
-                for m in self.ops.ready_to_send(self.sched.uses_adapter):
+                for m in self.ops.ready_to_send(self.sched.uses_adapter, self.sched.can_pin):
                     self._broadcast(m)
                 fb = self.sched.next_batch()
                 if fb is not None:
@@ -258,6 +260,7 @@ def main() -> None:
     except DivergenceError as e:
         log.critical("%s", e)
         loop._to_front(ClusterEvent("fatal", str(e)))
+        loop.to_front.close(linger=2000)  # ctx.destroy(0) below would drop the event if it had not left yet
         raise SystemExit(3) from None
     finally:
         ctx.destroy(0)

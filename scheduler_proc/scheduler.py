@@ -74,6 +74,8 @@ class Scheduler:
         self.max_loras_per_batch = max_loras_per_batch
         self.starvation_steps = starvation_steps
         self.pinned_uids: set[str] = set()
+        # pinned loads not yet confirmed by every rank: their slot is reserved from the moment they arrive
+        self.reserved_pins: set[str] = set()
         self.waiting: deque[Req] = deque()
         self.running: dict[str, Req] = {}
         self.blocked_uids: set[str] = set()  # adapters being unloaded: refuse new requests
@@ -146,7 +148,14 @@ class Scheduler:
 
     # ------------------------------------------------------------------ planning
     def _unpinned_slots(self) -> int:
-        return self.max_loras_per_batch - len(self.pinned_uids)
+        return self.max_loras_per_batch - len(self.pinned_uids | self.reserved_pins)
+
+    def can_pin(self) -> bool:
+        """Whether a reserved pinned load may go to the workers now: the running requests' unpinned adapters
+        fit in the slots the pinned ones (including the reserved) leave. Loading it earlier would let it take
+        a slot the next step needs, and that step would fail."""
+        running = {r.lora_uid for r in self.running.values() if r.lora_uid and r.lora_uid not in self.pinned_uids}
+        return len(running) <= self._unpinned_slots()
 
     def _admit(self) -> list[Req]:
         adapters = {r.lora_uid for r in self.running.values() if r.lora_uid and r.lora_uid not in self.pinned_uids}

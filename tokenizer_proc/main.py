@@ -49,10 +49,15 @@ class ZmqSink:
     def send(self, msg: ServerMsg) -> bool:
         """Send one reply without blocking; False if the client is gone."""
         try:
-            self.router.send_multipart([self.identity, SERVER_CODEC.encode(msg)], zmq.NOBLOCK)
-            return True
+            fut = self.router.send_multipart([self.identity, SERVER_CODEC.encode(msg)], zmq.NOBLOCK)
         except zmq.ZMQError:
             return False
+        # zmq.asyncio never raises here: a failed non-blocking send (EHOSTUNREACH: the client is gone) is
+        # reported through the returned future, which must be read or asyncio logs it as never retrieved
+        if fut.done():
+            return not fut.cancelled() and fut.exception() is None
+        fut.add_done_callback(lambda f: f.cancelled() or f.exception())
+        return True
 
 
 class FrontDoorServer:

@@ -1,0 +1,96 @@
+"""adapter_config.json parsing: scaling maths, patterns, refused fields; the --lora-paths flag forms."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+from lora_helpers import write_adapter
+
+from ipc.lora_config import LoraConfigError, read_adapter_config
+
+
+def _cfg(tmp_path, **config_extra):
+    folder = write_adapter(tmp_path / "a", r=8, alpha=16, targets=["q_proj", "v_proj"], config_extra=config_extra)
+    return read_adapter_config(folder, "ad")
+
+
+def test_scaling_plain_rslora_and_patterns(tmp_path):
+    c = _cfg(tmp_path)
+    assert c.scaling_for("model.layers.0.self_attn.q_proj") == 2.0 and c.max_rank() == 8
+    c = _cfg(tmp_path, use_rslora=True)
+    assert c.scaling_for("model.layers.0.self_attn.q_proj") == pytest.approx(16 / math.sqrt(8))
+    c = _cfg(
+        tmp_path,
+        rank_pattern={"layers.3.self_attn.q_proj": 2, "q_proj": 4},
+        alpha_pattern={"v_proj": 40},
+    )
+    assert c.rank_for("model.layers.3.self_attn.q_proj") == 2  # the first matching key wins (as in PEFT)
+    assert c.rank_for("model.layers.13.self_attn.q_proj") == 4  # "layers.3" must not match "layers.13"
+    assert c.rank_for("model.layers.1.self_attn.v_proj") == 8
+    assert c.scaling_for("model.layers.1.self_attn.v_proj") == 5.0  # 40 / 8
+    assert c.scaling_for("model.layers.3.self_attn.q_proj") == 8.0  # 16 / 2
+    assert c.max_rank() == 8
+
+
+def test_regex_target_modules_and_ignored_fields(tmp_path):
+    c = _cfg(
+        tmp_path,
+        target_modules=r".*\.layers\.[01]\.(self_attn\.k_proj|mlp\.up_proj)",
+        lora_dropout=0.3,
+        init_lora_weights="gaussian",
+        some_future_bookkeeping_field={"x": 1},
+    )
+    assert sorted(c.target_modules) == ["k_proj", "up_proj"]
+
+
+@pytest.mark.parametrize(
+    "field,value,text",
+    [
+        ("use_dora", True, "field use_dora=True is not supported: DoRA"),
+        ("bias", "all", "field bias='all' is not supported"),
+        ("bias", "lora_only", "field bias='lora_only' is not supported"),
+        ("modules_to_save", ["lm_head"], "field modules_to_save=['lm_head'] is not supported"),
+        ("fan_in_fan_out", True, "field fan_in_fan_out=True is not supported"),
+        ("peft_type", "IA3", "field peft_type='IA3' is not supported"),
+        ("layer_replication", [[0, 4]], "field layer_replication=[[0, 4]] is not supported"),
+        ("trainable_token_indices", [5], "field trainable_token_indices=[5] is not supported"),
+        ("lora_bias", True, "field lora_bias=True is not supported"),
+        ("target_modules", ["q_proj", "lm_head"], "field target_modules=['lm_head'] is not supported"),
+        ("r", 0, "field r=0 must be a positive integer"),
+        ("lora_alpha", -1, "field lora_alpha=-1 must be positive"),
+        ("rank_pattern", {"q_proj": 0}, "field rank_pattern must map patterns to numbers > 0"),
+    ],
+)
+def test_fields_that_change_the_maths_are_refused(tmp_path, field, value, text):
+    with pytest.raises(LoraConfigError) as e:
+        _cfg(tmp_path, **{field: value})
+    assert str(e.value).startswith("LoRA adapter ad: adapter_config.json field") and text in str(e.value)
+
+
+def test_lora_paths_flag_forms():
+    from launch import build_parser
+
+    ns = build_parser().parse_args(
+        [
+            "--enable-lora",
+            "--lora-paths",
+            "a=/x/y",
+            "/p/q/named-by-folder",
+            json.dumps({"lora_name": "pin", "lora_path": "/z", "pinned": True}),
+        ]
+    )
+    got = [(s.name, s.path, s.pinned) for s in ns.lora_paths]
+    assert got == [("a", "/x/y", False), ("named-by-folder", "/p/q/named-by-folder", False), ("pin", "/z", True)]
+
+
+def test_launch_infers_rank_and_targets_from_initial_adapters(tmp_path):
+    from launch import build_parser, infer_lora_defaults
+
+    a = write_adapter(tmp_path / "a", r=4, targets=["q_proj"], rank_pattern={"q_proj": 12})
+    b = write_adapter(tmp_path / "b", r=8, targets=["down_proj", "v_proj"])
+    ns = build_parser().parse_args(["--enable-lora", "--lora-paths", f"a={a}", f"b={b}"])
+    assert infer_lora_defaults(ns) == (12, ["q_proj", "v_proj", "down_proj"])
+    ns = build_parser().parse_args(["--enable-lora", "--max-lora-rank", "32", "--lora-paths", f"a={a}"])
+    assert infer_lora_defaults(ns) == (32, ["q_proj"])
