@@ -200,7 +200,7 @@ class Scheduler:
         for r in self._admit():
             slots = self.kv.take(len(r.input_ids))
             r.reserved -= len(slots)
-            r.slots = slots
+            r.slots = list(slots)  # the plan keeps its own list
             self.running[r.rid] = r
             plan.append(BatchReq(r.rid, r.req_idx, r.input_ids, 0, slots, r.lora_uid, r.sampling, 0))
             reqs.append(r)
