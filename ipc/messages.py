@@ -210,6 +210,7 @@ class TokenOut(msgspec.Struct):
     finished: bool = False
     finish_reason: FinishReason | None = None
     error: str | None = None
+    error_kind: str = "bad_request"  # bad_request (refused) | server_error (a step failed)
 
 
 class BatchTokenOut(msgspec.Struct, tag=True):

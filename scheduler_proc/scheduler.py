@@ -240,7 +240,9 @@ class Scheduler:
         for r in reqs:
             if r.rid in self.running:
                 self._release(r)
-                outs.append(self._finish_out(r, FinishReason("abort", message=message), error=message))
+                out = self._finish_out(r, FinishReason("abort", message=message), error=message)
+                out.error_kind = "server_error"
+                outs.append(out)
         return outs
 
     def _finish_reason(self, r: Req, tok: int) -> FinishReason | None:

@@ -148,7 +148,7 @@ class FrontDoor:
             self.pending.pop(p.rid, None)
             self.by_client.pop((id(p.sink), p.client_rid), None)
         if item.error is not None:
-            p.sink.send(ErrorOut(p.client_rid, item.error, "bad_request" if not p.text.ids else "server_error"))
+            p.sink.send(ErrorOut(p.client_rid, item.error, item.error_kind))
             return
         fr = item.finish_reason
         if item.finished and fr is not None and fr.type == "stop" and isinstance(fr.matched, str):
