@@ -1,9 +1,9 @@
 #!/usr/bin/env python
 """Manage the LoRA adapters of a running Loom cluster.
 
-    python scripts/adapters.py list
-    python scripts/adapters.py load NAME PATH [--pinned]
-    python scripts/adapters.py unload NAME
+python scripts/adapters.py list
+python scripts/adapters.py load NAME PATH [--pinned]
+python scripts/adapters.py unload NAME
 """
 
 from __future__ import annotations
