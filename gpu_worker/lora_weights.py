@@ -111,8 +111,9 @@ def read_adapter(
             missing = "B" if "A" in ab else "A"
             raise LoraWeightsError(f"LoRA adapter {name}: layer {layer} {module} has no lora_{missing} weight")
         try:
-            a = handle.get_tensor(ab["A"])
-            b = handle.get_tensor(ab["B"])
+            # clone: safetensors maps the file, and a file rewritten while we serve would change (or SIGBUS) us
+            a = handle.get_tensor(ab["A"]).clone()
+            b = handle.get_tensor(ab["B"]).clone()
         except Exception as e:  # noqa: BLE001
             raise LoraWeightsError(
                 f"LoRA adapter {name}: cannot read {ab['A']}/{ab['B']} from {path.name}: {e}"
@@ -128,6 +129,11 @@ def read_adapter(
                 f"LoRA adapter {name}: tensor {ab['B']} has shape {list(b.shape)}, expected [{fout}, {r}]"
             )
         mpath = module_path(layer, module)
+        if not acfg.targets(mpath):
+            raise LoraWeightsError(
+                f"LoRA adapter {name}: tensor {ab['A']} is for {mpath}, which adapter_config.json does not target "
+                "(target_modules / exclude_modules / layers_to_transform)"
+            )
         want = acfg.rank_for(mpath)
         if r != want:
             raise LoraWeightsError(

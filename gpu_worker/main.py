@@ -22,7 +22,7 @@ from ipc.messages import (
     WorkerLoraUnload,
     WorkerShutdown,
 )
-from ipc.proc import StopRequested, child_setup
+from ipc.proc import StopRequested, begin_cleanup, child_setup
 from ipc.sockets import failed, make_socket, ready
 
 log = logging.getLogger("gpu_worker")
@@ -101,6 +101,7 @@ def main() -> None:
     except StopRequested:
         pass
     finally:
+        begin_cleanup(args)
         sock.close()
         ctx.destroy(0)
         if dist.is_initialized():

@@ -63,7 +63,8 @@ def load_shard(model_dir: str | Path, cfg: ModelConfig, plan: ShardPlan, dtype: 
     kv_rows = (plan.kv_heads[0] * d, plan.kv_heads[1] * d)
 
     def put(t: torch.Tensor) -> torch.Tensor:
-        return t.to(device=device, dtype=dtype).contiguous()
+        # copy=True: never keep a view of the mmapped file (rewriting it would corrupt or SIGBUS a running server)
+        return t.to(device=device, dtype=dtype, copy=True).contiguous()
 
     layers = []
     for i in range(cfg.num_layers):

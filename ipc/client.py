@@ -79,8 +79,14 @@ class LoomClient:
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.connect(endpoint)
-        self.timeout_ms = int(timeout_s * 1000)
+        try:
+            self.sock.connect(endpoint)
+        except zmq.ZMQError:  # a malformed endpoint: free the socket and context before re-raising
+            self.sock.close()
+            self.ctx.term()
+            raise
+        self.timeout_s = timeout_s
+        self.timeout_ms = max(1, round(timeout_s * 1000))
         self.out: Codec = Codec(ClientMsg)
         self.inc: Codec = Codec(ServerMsg)
         self._stash: dict[str, list[Any]] = {}
@@ -103,7 +109,7 @@ class LoomClient:
     def recv(self) -> Any:
         """Next server message (raises LoomError on timeout)."""
         if not self.sock.poll(self.timeout_ms):
-            raise LoomError(f"no reply from the server in {self.timeout_ms / 1000:.0f} s", "timeout")
+            raise LoomError(f"no reply from the server in {self.timeout_s:g} s", "timeout")
         return self.inc.decode(self.sock.recv())
 
     def _next_for(self, rid: str) -> Any:
@@ -201,13 +207,22 @@ class LoomClient:
 
 
 class AsyncLoomClient:
-    """asyncio client: many concurrent ``generate`` calls share one DEALER socket."""
+    """asyncio client: many concurrent ``generate`` calls share one DEALER socket.
+
+    A ``rid`` must be unique among this client's requests in flight (a duplicate is refused with
+    :class:`LoomError` kind ``bad_request``). Use ``async with AsyncLoomClient(...) as c:`` to close it.
+    """
 
     def __init__(self, endpoint: str = DEFAULT_ENDPOINT, timeout_s: float = 600.0) -> None:
         self.ctx = zmq.asyncio.Context()
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.connect(endpoint)
+        try:
+            self.sock.connect(endpoint)
+        except zmq.ZMQError:  # a malformed endpoint: free the socket and context before re-raising
+            self.sock.close()
+            self.ctx.term()
+            raise
         self.timeout_s = timeout_s
         self.out: Codec = Codec(ClientMsg)
         self.inc: Codec = Codec(ServerMsg)
@@ -237,6 +252,8 @@ class AsyncLoomClient:
             kw.get("lora_path"),
             kw.get("rid"),
         )
+        if req.rid in self._queues:  # would steal the running request's replies: refuse before sending
+            raise LoomError(f"request id {req.rid!r} is already running on this client", "bad_request", req.rid)
         q: asyncio.Queue = asyncio.Queue()
         self._queues[req.rid] = q
         await self.sock.send(self.out.encode(req))
@@ -246,14 +263,15 @@ class AsyncLoomClient:
                 try:
                     msg = await asyncio.wait_for(q.get(), self.timeout_s)
                 except asyncio.TimeoutError:
-                    raise LoomError(f"no reply in {self.timeout_s} s", "timeout", req.rid) from None
+                    raise LoomError(f"no reply from the server in {self.timeout_s:g} s", "timeout", req.rid) from None
                 if isinstance(msg, ErrorOut):
                     done = True
                     raise LoomError(msg.message, msg.kind, msg.rid)
                 done = msg.finished
                 yield _result(msg)
         finally:
-            self._queues.pop(req.rid, None)
+            if self._queues.get(req.rid) is q:
+                del self._queues[req.rid]
             if not done:
                 await self.sock.send(self.out.encode(AbortReq(req.rid)))
 
@@ -264,6 +282,12 @@ class AsyncLoomClient:
             last = chunk
         assert last is not None
         return last
+
+    async def __aenter__(self) -> AsyncLoomClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.close()
 
     def close(self) -> None:
         """Stop the reader and close the socket."""

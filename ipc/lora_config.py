@@ -13,6 +13,7 @@ import json
 import math
 import re
 from pathlib import Path
+from typing import Union
 
 import msgspec
 
@@ -35,6 +36,21 @@ class LoraAdapterConfig(msgspec.Struct, frozen=True):
     target_modules: list[str]  # short module names it may touch (q_proj ...)
     rank_pattern: dict[str, int]
     alpha_pattern: dict[str, float]
+    target_spec: Union[str, list[str]] = []  # target_modules as written (regex string or list of names)
+    exclude_spec: Union[str, list[str], None] = None  # exclude_modules as written
+    layers_to_transform: list[int] | None = None
+
+    def targets(self, module_path: str) -> bool:
+        """Whether PEFT would put a LoRA layer on ``module_path`` given target_modules, exclude_modules and
+        layers_to_transform (a tensor for any other module is refused at load, never silently applied)."""
+        if not _spec_matches(self.target_spec, module_path):
+            return False
+        if self.exclude_spec and _spec_matches(self.exclude_spec, module_path):
+            return False
+        if self.layers_to_transform is not None:
+            m = re.search(r"\.layers\.(\d+)\.", module_path)
+            return m is not None and int(m.group(1)) in self.layers_to_transform
+        return True
 
     def _pattern(self, patterns: dict, module_path: str):
         for pat, val in patterns.items():
@@ -57,6 +73,13 @@ class LoraAdapterConfig(msgspec.Struct, frozen=True):
     def max_rank(self) -> int:
         """Largest rank of any module (``r`` or any ``rank_pattern`` value)."""
         return max([self.r, *[int(v) for v in self.rank_pattern.values()]])
+
+
+def _spec_matches(spec: Union[str, list[str]], module_path: str) -> bool:
+    # PEFT: a string is a regex full-matched against the module path; a list matches a name or a dotted suffix
+    if isinstance(spec, str):
+        return re.fullmatch(spec, module_path) is not None
+    return any(module_path == t or module_path.endswith("." + t) for t in spec)
 
 
 def _sample_paths(module: str) -> list[str]:
@@ -119,12 +142,23 @@ def read_adapter_config(folder: str | Path, name: str) -> LoraAdapterConfig:
     alpha = raw.get("lora_alpha", r)
     if not isinstance(alpha, (int, float)) or alpha <= 0:
         raise LoraConfigError(f"LoRA adapter {name}: {CONFIG_FILE} field lora_alpha={alpha!r} must be positive")
-    tm = raw.get("target_modules") or []
+    tm = raw.get("target_modules")
     if isinstance(tm, str):
-        # PEFT full-matches a regex against module paths; the tensors in the file decide which layers
         targets = [m for m in LLAMA_LORA_MODULES if any(re.fullmatch(tm, p) for p in _sample_paths(m))]
+    elif isinstance(tm, list) and all(isinstance(m, str) for m in tm):
+        targets = sorted({m.split(".")[-1] for m in tm}, key=lambda m: (m not in LLAMA_LORA_MODULES, m))
     else:
-        targets = [str(m) for m in tm]
+        raise LoraConfigError(f"LoRA adapter {name}: {CONFIG_FILE} field target_modules={tm!r} must be a list or regex")
+    if not targets:
+        raise LoraConfigError(f"LoRA adapter {name}: {CONFIG_FILE} field target_modules={tm!r} matches no module")
+    exclude = raw.get("exclude_modules")
+    if exclude is not None and not isinstance(exclude, (str, list)):
+        raise LoraConfigError(f"LoRA adapter {name}: {CONFIG_FILE} field exclude_modules={exclude!r} is malformed")
+    ltt = raw.get("layers_to_transform")
+    if isinstance(ltt, int) and not isinstance(ltt, bool):
+        ltt = [ltt]
+    if ltt is not None and not (isinstance(ltt, list) and all(isinstance(i, int) for i in ltt)):
+        raise LoraConfigError(f"LoRA adapter {name}: {CONFIG_FILE} field layers_to_transform={ltt!r} is malformed")
     unknown = [m for m in targets if m not in LLAMA_LORA_MODULES]
     if unknown:
         raise _refuse(
@@ -143,4 +177,7 @@ def read_adapter_config(folder: str | Path, name: str) -> LoraAdapterConfig:
         target_modules=targets,
         rank_pattern={str(k): int(v) for k, v in rank_pattern.items()},
         alpha_pattern={str(k): float(v) for k, v in alpha_pattern.items()},
+        target_spec=tm,
+        exclude_spec=exclude or None,
+        layers_to_transform=ltt,
     )

@@ -53,6 +53,22 @@ def _gguf_cache_dir(gguf: Path) -> Path:
     return cache_root() / "converted" / f"{gguf.stem}-{key}"
 
 
+GGUF_MAGIC = b"GGUF"
+
+
+def check_gguf_magic(gguf: Path) -> None:
+    """Raise ModelSourceError unless ``gguf`` starts with the GGUF magic bytes ``b"GGUF"``."""
+    try:
+        with gguf.open("rb") as f:
+            head = f.read(len(GGUF_MAGIC))
+    except OSError as e:
+        raise ModelSourceError(f"--model-path {gguf} is not a valid GGUF file: {e}") from None
+    if head != GGUF_MAGIC:
+        raise ModelSourceError(
+            f"--model-path {gguf} is not a valid GGUF file: it starts with {head!r}, not the magic {GGUF_MAGIC!r}"
+        )
+
+
 def convert_gguf(gguf: Path, out_dir: Path) -> None:
     """Dequantize ``gguf`` into an fp32 safetensors checkpoint folder ``out_dir`` (atomic: a tmp dir is renamed).
 
@@ -107,7 +123,11 @@ def resolve_model_path(model_path: str | None) -> Path:
             raise ModelSourceError(f"--model-path {src}: a file must be a .gguf; otherwise pass a checkpoint folder")
         out = _gguf_cache_dir(src)
         if not (out / "config.json").is_file():
-            convert_gguf(src, out)
+            check_gguf_magic(src)
+            try:
+                convert_gguf(src, out)
+            except Exception as e:  # noqa: BLE001 - any reader failure means the file is not a usable GGUF
+                raise ModelSourceError(f"--model-path {src} is not a valid GGUF file: {e}") from e
         src = out
     for need in ("config.json", "tokenizer.json"):
         if not (src / need).is_file():

@@ -46,6 +46,23 @@ def child_setup(name: str) -> tuple[ServerArgs, argparse.Namespace]:
     return args, ns
 
 
+def begin_cleanup(args: ServerArgs) -> None:
+    """Start of a child's shutdown: ignore further SIGTERMs (the launcher may send one while we are already
+    stopping, e.g. after a ShutdownCmd) and, if the launcher is gone (killed with SIGKILL), remove the
+    socket folder and the front socket file it can no longer remove itself."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if os.getppid() == 1:
+        import shutil
+
+        shutil.rmtree(args.endpoints.socket_dir, ignore_errors=True)
+        front = args.endpoints.front
+        if front.startswith("ipc://"):
+            try:
+                os.unlink(front[len("ipc://") :])
+            except OSError:
+                pass
+
+
 def set_parent_death_signal() -> None:
     """Ask Linux to send SIGTERM when the parent dies (no-op elsewhere)."""
     if not sys.platform.startswith("linux"):

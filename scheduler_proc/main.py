@@ -35,7 +35,7 @@ from ipc.messages import (
     WorkerShutdown,
 )
 from ipc.model_config import load_model_config
-from ipc.proc import StopRequested, child_setup
+from ipc.proc import StopRequested, begin_cleanup, child_setup
 from ipc.sockets import failed, make_socket, ready
 from scheduler_proc.lora_ops import LoraOps
 from scheduler_proc.scheduler import Scheduler
@@ -263,6 +263,7 @@ def main() -> None:
         loop.to_front.close(linger=2000)  # ctx.destroy(0) below would drop the event if it had not left yet
         raise SystemExit(3) from None
     finally:
+        begin_cleanup(args)
         ctx.destroy(0)
 
 

@@ -30,7 +30,7 @@ from ipc.messages import (
     ToTokenizerMsg,
     UnloadLoraReq,
 )
-from ipc.proc import child_setup
+from ipc.proc import begin_cleanup, child_setup
 from ipc.sockets import failed, make_socket, ready
 from tokenizer_proc.front_door import FrontDoor
 from tokenizer_proc.registry import AdapterRefused, UnknownAdapter
@@ -198,6 +198,7 @@ def main() -> None:
         failed(zmq.Context.instance(), args.endpoints.control, "tokenizer_proc", f"{type(e).__name__}: {e}")
         raise SystemExit(1) from None
     finally:
+        begin_cleanup(args)
         ctx.destroy(0)
         zmq.Context.instance().destroy(0)
 

@@ -1,0 +1,73 @@
+"""Config fields that choose modules/layers are enforced against the tensors, and host copies own their
+memory (an adapter file rewritten after load changes nothing that is served)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from lora_helpers import tiny_pool, write_adapter
+
+from gpu_worker.lora_weights import LoraWeightsError
+from ipc.lora_config import LoraConfigError
+
+
+def _edit_config(folder, **fields):
+    p = folder / "adapter_config.json"
+    cfg = json.loads(p.read_text())
+    cfg.update(fields)
+    p.write_text(json.dumps(cfg))
+
+
+@pytest.mark.parametrize(
+    ("fields", "needle"),
+    [
+        ({"layers_to_transform": [0]}, "layers.1"),
+        ({"target_modules": ["q_proj"]}, "does not target"),
+        ({"target_modules": ".*q_proj"}, "does not target"),
+        ({"exclude_modules": ["down_proj"]}, "down_proj"),
+    ],
+)
+def test_tensors_outside_the_configured_targets_are_refused(tmp_path, fields, needle):
+    folder = write_adapter(tmp_path / "a", r=4)  # tensors for every module of every layer
+    _edit_config(folder, **fields)
+    pool = tiny_pool()
+    with pytest.raises(LoraWeightsError) as e:
+        pool.load("u", "edited", str(folder))
+    msg = str(e.value)
+    assert "edited" in msg and needle in msg and "adapter_config.json does not target" in msg
+    assert pool.host == {} and len(pool.cache) == 0
+
+
+@pytest.mark.parametrize("tm", [[], ".*nothing.*", 7])
+def test_target_modules_matching_nothing_is_refused(tmp_path, tm):
+    folder = write_adapter(tmp_path / "a", r=4)
+    _edit_config(folder, target_modules=tm)
+    with pytest.raises(LoraConfigError, match="target_modules"):
+        tiny_pool().load("u", "bad", str(folder))
+
+
+def test_consistent_layers_to_transform_loads(tmp_path):
+    folder = write_adapter(tmp_path / "a", r=4)
+    _edit_config(folder, layers_to_transform=[0, 1])  # TINY has 2 layers: every tensor is targeted
+    pool = tiny_pool()
+    pool.load("u", "ok", str(folder))
+    assert "u" in pool.host
+
+
+def test_rewriting_the_file_after_load_changes_nothing(tmp_path):
+    folder = write_adapter(tmp_path / "a", r=4, seed=3)
+    pool = tiny_pool(slots=1)
+    pool.load("u", "a", str(folder))
+    pool.assign(["u"])
+    before = {m: pool.A[0][m][0].clone() for m in pool.targets}
+    other = write_adapter(tmp_path / "b", r=4, seed=99)
+    # rewrite in place (same inode), as save_pretrained/shutil.copy would, then truncate to garbage
+    (folder / "adapter_model.safetensors").write_bytes((other / "adapter_model.safetensors").read_bytes())
+    (folder / "adapter_model.safetensors").write_bytes(b"garbage")
+    pool.load("v", "b", str(other))
+    pool.assign(["v"])  # evicts u
+    pool.assign(["u"])  # refills u's slot from the host copy, not from the (now garbage) file
+    for m in pool.targets:
+        assert torch.equal(pool.A[0][m][0], before[m])
