@@ -186,7 +186,7 @@ class Cluster:
             dead = self.dead()
             if dead:
                 name, code = dead
-                raise RuntimeError(f"{name} exited with code {code} during start-up (see its log above)")
+                raise RuntimeError(f"{name} exited with code {describe_exit(code)} during start-up (see its log above)")
             if time.monotonic() > deadline:
                 raise RuntimeError(f"{sorted(waiting)} did not report READY within {self.args.ready_timeout_s} s")
             if not self.control.poll(500):
@@ -242,6 +242,16 @@ class Cluster:
             os.unlink(front[len("ipc://") :])
 
 
+def describe_exit(code: int) -> str:
+    """``"1"`` for a normal exit code, ``"-7 (SIGBUS)"`` for a death by signal 7."""
+    if code < 0:
+        try:
+            return f"{code} ({signal.Signals(-code).name})"
+        except ValueError:
+            return f"{code} (signal {-code})"
+    return str(code)
+
+
 class _Stop(Exception):
     pass
 
@@ -272,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
             time.sleep(0.5)
             dead = cluster.dead()
             if dead:
-                log.error("%s exited with code %s; stopping the cluster", *dead)
+                log.error("%s exited with code %s; stopping the cluster", dead[0], describe_exit(dead[1]))
                 code = 1
                 break
     except _Stop as s:

@@ -76,6 +76,34 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return w * xf.to(x.dtype)
 
 
+def _bf16_upcast_threshold(sample: torch.Tensor) -> int:
+    """Rows from which a bf16 matmul is faster done in fp32 (upcast per call), or a huge number if never.
+
+    Measured once at start-up: CPUs without native bf16 (e.g. AVX2-only) run bf16 GEMM several times slower
+    than converting to fp32 first once a batch has more than a few rows; GPUs and bf16-capable CPUs do not.
+    """
+    never = 1 << 62
+    if sample.device.type != "cpu" or sample.dtype != torch.bfloat16:
+        return never
+    import time
+
+    w = torch.randn(1024, 576, dtype=torch.bfloat16)
+    x = torch.randn(32, 576, dtype=torch.bfloat16)
+
+    def best(fn) -> float:
+        fn()
+        times = []
+        for _ in range(5):
+            t = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t)
+        return min(times)
+
+    native = best(lambda: x @ w.T)
+    upcast = best(lambda: (x.float() @ w.float().T).to(torch.bfloat16))
+    return 8 if upcast < 0.7 * native else never
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     a, b = x.chunk(2, dim=-1)
     return torch.cat((-b, a), dim=-1)
@@ -94,6 +122,13 @@ class LlamaShard:
         self.ffn_local = plan.ffn[1] - plan.ffn[0]
         device = weights["embed"].device
         self.inv_freq = rope_inv_freq(cfg).to(device)
+        self.upcast_min_rows = _bf16_upcast_threshold(weights["embed"])
+
+    def _mm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """``x @ w.T``; on CPUs without fast bf16 GEMM, batches of many rows compute in fp32."""
+        if x.shape[0] >= self.upcast_min_rows:
+            return (x.float() @ w.float().T).to(x.dtype)
+        return x @ w.T
 
     def _all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         if self.tp > 1:
@@ -138,8 +173,10 @@ class LlamaShard:
             qd = q[idx][:, :, None, :]  # [Bd, nq, 1, d]
             kd = kc[s.decode_table].transpose(1, 2)  # [Bd, nkv, L, d]
             vd = vc[s.decode_table].transpose(1, 2)
+            if len(s.decode_rows) >= self.upcast_min_rows:  # slow bf16 kernels on this CPU: attend in fp32
+                qd, kd, vd = qd.float(), kd.float(), vd.float()
             od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=s.decode_mask, scale=scale, enable_gqa=True)
-            out[idx] = od[:, :, 0, :]
+            out[idx] = od[:, :, 0, :].to(out.dtype)
         return out.reshape(q.shape[0], self.nq * self.d)
 
     @torch.inference_mode()
@@ -151,7 +188,7 @@ class LlamaShard:
         cos, sin = self._rope(s.positions, x.dtype)
         for i, lw in enumerate(w["layers"]):
             h = rms_norm(x, lw["input_norm"], cfg.rms_norm_eps)
-            qkv = h @ lw["qkv"].T
+            qkv = self._mm(h, lw["qkv"])
             if lora is not None:
                 lora.add(i, "qkv", h, qkv)
             q, k, v = qkv.split([nq * d, nkv * d, nkv * d], dim=-1)
@@ -163,20 +200,20 @@ class LlamaShard:
             kv.k[i][s.out_slots] = k
             kv.v[i][s.out_slots] = v
             a = self._attention(s, q, k, v, kv, i)
-            o = a @ lw["o"].T
+            o = self._mm(a, lw["o"])
             if lora is not None:
                 lora.add(i, "o", a, o)
             x = x + self._all_reduce(o)
             h = rms_norm(x, lw["post_norm"], cfg.rms_norm_eps)
-            gu = h @ lw["gate_up"].T
+            gu = self._mm(h, lw["gate_up"])
             if lora is not None:
                 lora.add(i, "gate_up", h, gu)
             gate, up = gu.split([self.ffn_local, self.ffn_local], dim=-1)
             m = F.silu(gate) * up
-            dn = m @ lw["down"].T
+            dn = self._mm(m, lw["down"])
             if lora is not None:
                 lora.add(i, "down", m, dn)
             x = x + self._all_reduce(dn)
         last = x[s.last_token_index]
         last = rms_norm(last, w["norm"], cfg.rms_norm_eps)
-        return (last @ w["lm_head"].T).float()
+        return self._mm(last, w["lm_head"]).float()

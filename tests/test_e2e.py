@@ -474,7 +474,7 @@ def test_sigkill_of_a_worker_stops_the_cluster(tmp_path, model_path):
         elapsed = time.monotonic() - t0
         log = h.log()
         assert code != 0, log
-        assert "gpu_worker[1] exited with code -9; stopping the cluster" in log, log
+        assert "gpu_worker[1] exited with code -9 (SIGKILL); stopping the cluster" in log, log
         assert elapsed < 10, f"cluster took {elapsed:.1f} s to stop\n{log}"
         for name, pid in pids.items():
             assert not pid_alive(pid), f"{name} (pid {pid}) survived"

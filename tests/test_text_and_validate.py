@@ -7,7 +7,13 @@ from loom_helpers import PROMPTS
 
 from ipc.messages import ChatMessage, GenerateReq, SamplingParams
 from tokenizer_proc.text import ChatTemplateError, IncrementalText, TextCodec
-from tokenizer_proc.validate import BadRequest, check_one_prompt, validate_prompt_ids, validate_sampling
+from tokenizer_proc.validate import (
+    BadRequest,
+    check_one_prompt,
+    check_prompt_chars,
+    validate_prompt_ids,
+    validate_sampling,
+)
 
 
 @pytest.mark.slow  # needs the transformers reference (computed once, ~40 s, then cached)
@@ -134,9 +140,27 @@ def test_validate_prompt_ids():
         (GenerateReq(text="a", messages=[ChatMessage("user", "b")]), "messages"),
         (GenerateReq(text=""), "empty"),
         (GenerateReq(messages=[]), "messages is empty"),
+        (GenerateReq(messages=[ChatMessage("user", "a"), ChatMessage("robot", "b")]), "messages[1].role='robot'"),
+        (GenerateReq(text="a", lora_path=""), "lora_path must be a non-empty adapter name"),
     ],
 )
 def test_check_one_prompt(req, needle):
     with pytest.raises(BadRequest) as e:
         check_one_prompt(req)
     assert needle in str(e.value)
+
+
+def test_check_one_prompt_accepts_every_chat_role():
+    roles = ["system", "user", "assistant", "tool"]
+    check_one_prompt(GenerateReq(messages=[ChatMessage(r, "x") for r in roles], lora_path="adapter"))
+
+
+def test_check_prompt_chars():
+    check_prompt_chars("text", 90, max_new_tokens=1, context_len=10, max_token_chars=10)
+    with pytest.raises(BadRequest, match=r"text is 91 characters, longer than the 90 characters"):
+        check_prompt_chars("text", 91, max_new_tokens=1, context_len=10, max_token_chars=10)
+
+
+def test_longest_token_chars_bounds_every_token(text_codec):
+    n = text_codec.tok.get_vocab_size(with_added_tokens=True)
+    assert all(len(text_codec.decode([i])) <= text_codec.max_token_chars for i in range(0, n, 97))

@@ -35,7 +35,13 @@ from ipc.messages import (
 from ipc.model_config import load_model_config
 from tokenizer_proc.registry import AdapterRefused, LoraRegistry, UnknownAdapter
 from tokenizer_proc.text import ChatTemplateError, IncrementalText, TextCodec
-from tokenizer_proc.validate import BadRequest, check_one_prompt, validate_prompt_ids, validate_sampling
+from tokenizer_proc.validate import (
+    BadRequest,
+    check_one_prompt,
+    check_prompt_chars,
+    validate_prompt_ids,
+    validate_sampling,
+)
 
 log = logging.getLogger("tokenizer")
 LORA_OP_TIMEOUT_S = 300.0
@@ -84,15 +90,27 @@ class FrontDoor:
         self._reloads: dict[str, asyncio.Future] = {}
 
     # ------------------------------------------------------------------ generate
+    def _check_chars(self, what: str, n_chars: int, req: GenerateReq) -> None:
+        check_prompt_chars(
+            what, n_chars, req.sampling_params.max_new_tokens, self.context_len, self.codec.max_token_chars
+        )
+
     def _prompt_ids(self, req: GenerateReq) -> list[int]:
         check_one_prompt(req)
         if req.input_ids is not None:
             return list(req.input_ids)
         if req.messages is not None:
-            return self.codec.encode(
-                self.codec.render_chat([{"role": m.role, "content": m.content} for m in req.messages])
-            )
-        return self.codec.encode(req.text or "")
+            if len(req.messages) > self.context_len:
+                raise BadRequest(
+                    f"messages has {len(req.messages)} entries; at most {self.context_len} can fit the context"
+                )
+            self._check_chars("the messages' content", sum(len(m.content) for m in req.messages), req)
+            rendered = self.codec.render_chat([{"role": m.role, "content": m.content} for m in req.messages])
+            self._check_chars("the rendered chat", len(rendered), req)
+            return self.codec.encode(rendered)
+        text = req.text or ""
+        self._check_chars("text", len(text), req)
+        return self.codec.encode(text)
 
     async def generate(self, req: GenerateReq, sink: Sink) -> None:
         """Validate and submit ``req``; replies go to ``sink``. Never raises for client mistakes."""

@@ -42,6 +42,14 @@ class TextCodec:
             env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
             env.globals["raise_exception"] = _raise
             self._template = env.from_string(template)
+        self.max_token_chars = self._longest_token_chars()
+
+    def _longest_token_chars(self) -> int:
+        """Most characters of text one token can stand for (decoded, and as written in the vocab)."""
+        n = self.tok.get_vocab_size(with_added_tokens=True)
+        decoded = self.tok.decode_batch([[i] for i in range(n)], skip_special_tokens=False)
+        longest = max((len(s) for s in decoded), default=1)
+        return max(1, longest, max((len(s) for s in self.tok.get_vocab(with_added_tokens=True)), default=1))
 
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text`` (special tokens written in the text are recognised)."""

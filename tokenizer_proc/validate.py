@@ -50,10 +50,30 @@ def validate_prompt_ids(ids: list[int], max_new_tokens: int, context_len: int, v
 
 
 MAX_RID_LEN = 256
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+
+
+def check_prompt_chars(what: str, n_chars: int, max_new_tokens: int, context_len: int, max_token_chars: int) -> None:
+    """Raise BadRequest when ``n_chars`` characters can never fit the context, before anything is tokenized.
+
+    No token stands for more than ``max_token_chars`` characters, so a prompt longer than
+    ``(context_len - max_new_tokens) * max_token_chars`` characters needs more tokens than the context leaves.
+    """
+    budget = max(0, context_len - max_new_tokens)
+    limit = budget * max_token_chars
+    if n_chars > limit:
+        raise BadRequest(
+            f"{what} is {n_chars} characters, longer than the {limit} characters that could ever fit: "
+            f"the context length {context_len} minus max_new_tokens ({max_new_tokens}) leaves {budget} tokens "
+            f"and no token is longer than {max_token_chars} characters"
+        )
 
 
 def check_one_prompt(req: GenerateReq) -> None:
-    """Raise BadRequest unless exactly one of text, input_ids, messages is given (and the rid is sane)."""
+    """Raise BadRequest unless exactly one of text, input_ids, messages is given.
+
+    Also refuses an insane rid, chat roles other than system/user/assistant/tool and an empty ``lora_path``.
+    """
     if req.rid is not None and not 0 < len(req.rid) <= MAX_RID_LEN:
         raise BadRequest(f"rid must be 1 to {MAX_RID_LEN} characters (got {len(req.rid)})")
     given = [n for n in ("text", "input_ids", "messages") if getattr(req, n) is not None]
@@ -63,3 +83,8 @@ def check_one_prompt(req: GenerateReq) -> None:
         raise BadRequest("the prompt is empty (text='')")
     if req.messages is not None and not req.messages:
         raise BadRequest("messages is empty")
+    for i, m in enumerate(req.messages or ()):
+        if m.role not in CHAT_ROLES:
+            raise BadRequest(f"messages[{i}].role={m.role!r} must be one of {', '.join(CHAT_ROLES)}")
+    if req.lora_path is not None and not req.lora_path:
+        raise BadRequest("lora_path must be a non-empty adapter name (or null for the base model)")

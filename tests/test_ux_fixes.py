@@ -1,0 +1,276 @@
+"""In-process checks of client, launcher, model-source and front-door usability fixes (no cluster starts)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import zmq
+import zmq.asyncio
+
+import launch
+from ipc import model_source
+from ipc.client import AsyncLoomClient, LoomClient, LoomError
+from ipc.codec import Codec
+from ipc.config import ServerArgs, make_endpoints
+from ipc.messages import ChatMessage, ClientMsg, ErrorOut, GenerateOut, GenerateReq, MetaInfo, ServerMsg
+from ipc.model_source import ModelSourceError, resolve_model_path
+from tokenizer_proc.front_door import FrontDoor
+
+REPO = Path(__file__).resolve().parent.parent
+CLIENT_CODEC = Codec(ClientMsg)
+SERVER_CODEC = Codec(ServerMsg)
+
+
+def _final(rid: str, text: str = "ok") -> GenerateOut:
+    return GenerateOut(rid, text, [1], MetaInfo(rid, 1, 1), True)
+
+
+# ---------------------------------------------------------------- AsyncLoomClient
+def test_async_client_refuses_a_rid_already_in_flight(tmp_path):
+    """A second generate with the same rid fails at once; the first still gets its reply."""
+    endpoint = f"ipc://{tmp_path}/front.sock"
+
+    async def scenario() -> None:
+        ctx = zmq.asyncio.Context()
+        router = ctx.socket(zmq.ROUTER)
+        router.setsockopt(zmq.LINGER, 0)
+        router.bind(endpoint)
+        try:
+            async with AsyncLoomClient(endpoint, timeout_s=5) as c:
+                first = asyncio.ensure_future(c.generate("a", rid="same"))
+                ident, frame = await asyncio.wait_for(router.recv_multipart(), 5)
+                assert CLIENT_CODEC.decode(frame).rid == "same"
+                with pytest.raises(LoomError) as e:
+                    await c.generate("b", rid="same")
+                assert e.value.kind == "bad_request" and "already running" in e.value.message
+                assert not await router.poll(200)  # the duplicate sent nothing (not even an abort)
+                await router.send_multipart([ident, SERVER_CODEC.encode(_final("same", "first"))])
+                assert (await asyncio.wait_for(first, 5))["text"] == "first"
+                # the rid is free again once the first finished
+                second = asyncio.ensure_future(c.generate("c", rid="same"))
+                ident, frame = await asyncio.wait_for(router.recv_multipart(), 5)
+                await router.send_multipart([ident, SERVER_CODEC.encode(_final("same", "again"))])
+                assert (await asyncio.wait_for(second, 5))["text"] == "again"
+            assert c.sock.closed  # __aexit__ closed it
+        finally:
+            router.close()
+            ctx.term()
+
+    asyncio.run(scenario())
+
+
+def test_timeout_message_shows_fractional_seconds(tmp_path):
+    with LoomClient(f"ipc://{tmp_path}/nobody.sock", timeout_s=0.01) as c:
+        with pytest.raises(LoomError, match=r"no reply from the server in 0\.01 s") as e:
+            c.generate("hi")
+    assert e.value.kind == "timeout"
+
+
+def test_bad_endpoint_raises_zmq_error_without_leaking():
+    with pytest.raises(zmq.ZMQError):
+        LoomClient("foo://bar")
+
+
+# ---------------------------------------------------------------- model source / launcher
+def test_non_gguf_file_is_refused_before_conversion(tmp_path, monkeypatch):
+    monkeypatch.setenv("LOOM_CACHE_DIR", str(tmp_path / "cache"))
+    bad = tmp_path / "x.gguf"
+    bad.write_text("hello\n")
+    called = []
+    monkeypatch.setattr(model_source, "convert_gguf", lambda *a: called.append(a))
+    with pytest.raises(ModelSourceError, match=r"is not a valid GGUF file: it starts with b'hell'"):
+        resolve_model_path(str(bad))
+    assert not called
+
+
+def test_gguf_conversion_failure_is_a_model_source_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("LOOM_CACHE_DIR", str(tmp_path / "cache"))
+    bad = tmp_path / "y.gguf"
+    bad.write_bytes(b"GGUF\x03\x00")
+
+    def boom(*_a: object) -> None:
+        raise ValueError("truncated header")
+
+    monkeypatch.setattr(model_source, "convert_gguf", boom)
+    with pytest.raises(ModelSourceError, match=r"y\.gguf is not a valid GGUF file: truncated header"):
+        resolve_model_path(str(bad))
+
+
+def test_launch_with_a_non_gguf_prints_one_error_line_and_exits_2(tmp_path):
+    bad = tmp_path / "x.gguf"
+    bad.write_text("hello\n")
+    r = subprocess.run(
+        [sys.executable, str(REPO / "launch.py"), "--model-path", str(bad)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=tmp_path,
+    )
+    assert r.returncode == 2, r.stderr
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "launch ERROR" in lines[0] and "not a valid GGUF file" in lines[0], r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_describe_exit_names_the_signal():
+    assert launch.describe_exit(1) == "1"
+    assert launch.describe_exit(0) == "0"
+    assert launch.describe_exit(-signal.SIGBUS) == f"-{int(signal.SIGBUS)} (SIGBUS)"
+    assert launch.describe_exit(-9) == "-9 (SIGKILL)"
+    assert launch.describe_exit(-999) == "-999 (signal 999)"
+
+
+# ---------------------------------------------------------------- front door
+class ListSink:
+    """Collects replies."""
+
+    def __init__(self) -> None:
+        self.msgs: list[object] = []
+
+    def send(self, msg: object) -> bool:
+        self.msgs.append(msg)
+        return True
+
+
+@pytest.fixture(scope="module")
+def front_door(model_path):
+    args = ServerArgs(model_path=str(model_path), endpoints=make_endpoints())
+    sent: list[object] = []
+    door = FrontDoor(args, sent.append)
+    door.sent = sent  # type: ignore[attr-defined]
+    yield door
+    shutil.rmtree(args.endpoints.socket_dir, ignore_errors=True)
+
+
+def _run(door: FrontDoor, req: GenerateReq) -> object:
+    sink = ListSink()
+    door.sent.clear()  # type: ignore[attr-defined]
+    asyncio.run(door.generate(req, sink))
+    return sink.msgs[0] if sink.msgs else None
+
+
+def test_longest_token_is_known(front_door):
+    assert 10 <= front_door.codec.max_token_chars <= 1000  # SmolLM2: 81 (a run of spaces)
+
+
+def test_huge_text_is_refused_before_tokenizing(front_door, monkeypatch):
+    def no_encode(_text: str) -> list[int]:
+        raise AssertionError("tokenized a prompt that can never fit")
+
+    monkeypatch.setattr(front_door.codec, "encode", no_encode)
+    n = 8 * 1024 * 1024
+    out = _run(front_door, GenerateReq(text="a" * n))
+    assert isinstance(out, ErrorOut) and out.kind == "bad_request"
+    assert f"text is {n} characters" in out.message
+    assert str(front_door.context_len) in out.message and str(front_door.codec.max_token_chars) in out.message
+    out = _run(front_door, GenerateReq(messages=[ChatMessage("user", "a" * n)]))
+    assert isinstance(out, ErrorOut) and "characters" in out.message
+    out = _run(front_door, GenerateReq(messages=[ChatMessage("user", "")] * (front_door.context_len + 1)))
+    assert isinstance(out, ErrorOut) and "entries" in out.message
+    assert not front_door.sent  # type: ignore[attr-defined]
+
+
+def test_text_within_the_char_bound_still_runs(front_door):
+    out = _run(front_door, GenerateReq(text="Hello there"))
+    assert out is None and len(front_door.sent) == 1  # type: ignore[attr-defined]
+    front_door.pending.clear()
+    front_door.by_client.clear()
+
+
+@pytest.mark.parametrize(
+    ("req", "needle"),
+    [
+        (GenerateReq(messages=[ChatMessage("wizard", "hi")]), "messages[0].role='wizard' must be one of"),
+        (GenerateReq(text="hi", lora_path=""), "lora_path must be a non-empty adapter name"),
+    ],
+)
+def test_front_door_refuses_bad_roles_and_empty_lora(front_door, req, needle):
+    out = _run(front_door, req)
+    assert isinstance(out, ErrorOut) and out.kind == "bad_request" and needle in out.message
+
+
+# ---------------------------------------------------------------- scripts/generate.py
+def _load_generate():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("loom_generate_script", REPO / "scripts" / "generate.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+class FakeServer:
+    """A ROUTER on a thread that records each GenerateReq and answers it with two stream chunks."""
+
+    def __init__(self, endpoint: str) -> None:
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.bind(endpoint)
+        self.reqs: list[GenerateReq] = []
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        if not self.sock.poll(10_000):
+            return
+        ident, frame = self.sock.recv_multipart()
+        req = CLIENT_CODEC.decode(frame)
+        self.reqs.append(req)
+        rid = req.rid
+        self.sock.send_multipart([ident, SERVER_CODEC.encode(GenerateOut(rid, "Par", [1], MetaInfo(rid, 1, 1), False))])
+        self.sock.send_multipart([ident, SERVER_CODEC.encode(_final(rid, "Paris"))])
+
+    def close(self) -> None:
+        self.thread.join(15)
+        self.sock.close()
+        self.ctx.term()
+
+
+def test_generate_script_sends_stop_flags_and_input_ids(tmp_path, capsys):
+    gen = _load_generate()
+    endpoint = f"ipc://{tmp_path}/front.sock"
+    srv = FakeServer(endpoint)
+    try:
+        argv = ["--endpoint", endpoint, "--input-ids", "[1, 2, 3]", "--stop", ".", "--stop", "\n"]
+        argv += ["--stop-token-ids", "2", "7", "--ignore-eos", "--stream", "--json", "--timeout", "10"]
+        assert gen.main(argv) == 0
+    finally:
+        srv.close()
+    req = srv.reqs[0]
+    assert req.input_ids == [1, 2, 3] and req.text is None and req.stream
+    sp = req.sampling_params
+    assert sp.stop == [".", "\n"] and sp.stop_token_ids == [2, 7] and sp.ignore_eos
+    lines = capsys.readouterr().out.splitlines()
+    assert [json.loads(ln)["text"] for ln in lines] == ["Par", "Paris"]  # one JSON line per chunk
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["--messages-json", '{"role": "user"}'], "--messages-json must be a JSON list of {role, content} objects"),
+        (["--messages-json", "[1, 2]"], "--messages-json must be a JSON list of {role, content} objects"),
+        (["--messages-json", "not json"], "--messages-json must be a JSON list"),
+        (["--input-ids", '["a"]'], "--input-ids must be a JSON list of ints"),
+        (["--text", "hi", "--endpoint", "foo://bar"], "--endpoint 'foo://bar' is not usable"),
+    ],
+)
+def test_generate_script_flag_errors_exit_2(argv, needle, capsys):
+    assert _load_generate().main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert needle in err and len(err.splitlines()) == 1
+
+
+def test_generate_script_input_ids_excludes_text(capsys):
+    with pytest.raises(SystemExit) as e:
+        _load_generate().main(["--text", "hi", "--input-ids", "[1]"])
+    assert e.value.code == 2
+    assert "not allowed with" in capsys.readouterr().err
