@@ -240,7 +240,9 @@ class AsyncLoomClient:
         if self._reader is None:
             self._reader = asyncio.ensure_future(self._read())
 
-    async def generate_stream(self, text: str | None = None, **kw: Any) -> AsyncIterator[dict[str, Any]]:
+    async def generate_stream(
+        self, text: str | None = None, *, _stream: bool = True, **kw: Any
+    ) -> AsyncIterator[dict[str, Any]]:
         """Like :meth:`LoomClient.generate` with ``stream=True``; yields cumulative result dicts."""
         self._ensure_reader()
         req = _request(
@@ -248,7 +250,7 @@ class AsyncLoomClient:
             kw.get("input_ids"),
             kw.get("messages"),
             kw.get("sampling_params"),
-            True,
+            _stream,
             kw.get("lora_path"),
             kw.get("rid"),
         )
@@ -276,9 +278,9 @@ class AsyncLoomClient:
                 await self.sock.send(self.out.encode(AbortReq(req.rid)))
 
     async def generate(self, text: str | None = None, **kw: Any) -> dict[str, Any]:
-        """Like :meth:`LoomClient.generate` (non-streaming); safe to run many at once."""
+        """Like :meth:`LoomClient.generate` (non-streaming: one reply at the end); safe to run many at once."""
         last = None
-        async for chunk in self.generate_stream(text, **kw):
+        async for chunk in self.generate_stream(text, _stream=False, **kw):
             last = chunk
         assert last is not None
         return last
