@@ -69,6 +69,9 @@ class LoraPool:
             raise ValueError(f"--lora-eviction-policy {self.policy!r}: choose lru or fifo")
         self.targets = [m for m in LLAMA_LORA_MODULES if m in (args.lora_target_modules or LLAMA_LORA_MODULES)]
         self.cache = HostWeightCache()
+        # CPUs run small half-precision GEMMs far slower than fp32 ones, and slot buffers are small: on CPU
+        # the slots hold fp32 copies (host copies stay in the serving dtype) and the shrink/expand run in fp32
+        self.slot_dtype = torch.float32 if device.type == "cpu" else dtype
         self.host: dict[str, HostAdapter] = {}
         self.slot_uid: list[str | None] = [None] * self.n_slots
         self.uid_slot: dict[str, int] = {}
@@ -80,8 +83,8 @@ class LoraPool:
             a_l, b_l = {}, {}
             for m in self.targets:
                 fin, fout = self._local_dims(m)
-                a_l[m] = torch.zeros(self.n_slots, self.max_rank, fin, dtype=dtype, device=device)
-                b_l[m] = torch.zeros(self.n_slots, fout, self.max_rank, dtype=dtype, device=device)
+                a_l[m] = torch.zeros(self.n_slots, self.max_rank, fin, dtype=self.slot_dtype, device=device)
+                b_l[m] = torch.zeros(self.n_slots, fout, self.max_rank, dtype=self.slot_dtype, device=device)
             self.A.append(a_l)
             self.B.append(b_l)
 
@@ -257,5 +260,7 @@ class LoraBatch:
                 for s, t0, t1 in self.segments:
                     r = ranks[s][layer][m]
                     if r:
-                        out[t0:t1, col : col + width] += (x[t0:t1] @ A[s, :r].T) @ B[s, :, :r].T
+                        xs = x[t0:t1] if x.dtype == A.dtype else x[t0:t1].to(A.dtype)
+                        delta = (xs @ A[s, :r].T) @ B[s, :, :r].T
+                        out[t0:t1, col : col + width] += delta.to(out.dtype)
             col += width
