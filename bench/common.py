@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import statistics
 import subprocess
@@ -78,3 +79,5 @@ def loom_cluster(*flags: str, timeout_s: float = 600.0):
                 os.killpg(p.pid, signal.SIGKILL)
                 p.wait()
         log.close()
+        if p.returncode == 0:
+            shutil.rmtree(tmp, ignore_errors=True)

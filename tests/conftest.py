@@ -63,3 +63,20 @@ def pytest_configure(config):
         torch.set_num_threads(max(1, int(os.environ["OMP_NUM_THREADS"])))
     except ValueError:
         pass
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _no_stray_socket_dirs():
+    """In-process tests build ServerArgs with ipc.config.make_endpoints(), which makes an (empty) socket folder
+    under the temp dir; remove the empty ones this session created so the suite leaves nothing behind."""
+    import tempfile
+    import time
+
+    start = time.time()
+    yield
+    for d in Path(tempfile.gettempdir()).glob("loom-*-*"):
+        try:
+            if d.is_dir() and d.stat().st_mtime >= start - 1 and not any(d.iterdir()):
+                d.rmdir()
+        except OSError:
+            pass
