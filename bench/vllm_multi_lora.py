@@ -21,6 +21,7 @@ def main() -> None:
         max_loras=len(names),
         max_lora_rank=64,
         max_model_len=2048,
+        gpu_memory_utilization=0.3,  # on CPU this is the share of host memory vLLM reserves
     )
     ids = {n: i + 1 for i, n in enumerate(names)}
     reqs = [None if lo is None else LoRARequest(lo, ids[lo], job["adapters"][lo]) for lo in job["loras"]]
