@@ -76,6 +76,7 @@ class LoraPool:
         self.slot_uid: list[str | None] = [None] * self.n_slots
         self.uid_slot: dict[str, int] = {}
         self.order: list[str] = []  # uids in slots, eviction order (first = next victim)
+        self.local_dims = {m: self._local_dims(m) for m in LLAMA_LORA_MODULES}  # (in, out) on this rank
         self.slot_rank = [[dict.fromkeys(self.targets, 0) for _ in range(cfg.num_layers)] for _ in range(self.n_slots)]
         self.A: list[dict[str, torch.Tensor]] = []
         self.B: list[dict[str, torch.Tensor]] = []
@@ -254,7 +255,7 @@ class LoraBatch:
         p = self.pool
         col = 0
         for m in FUSED[fused]:
-            width = p._local_dims(m)[1]
+            width = p.local_dims[m][1]
             if m in p.A[layer]:
                 A, B, ranks = p.A[layer][m], p.B[layer][m], p.slot_rank
                 for s, t0, t1 in self.segments:

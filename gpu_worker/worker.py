@@ -6,7 +6,6 @@ No sockets here (``gpu_worker.main`` owns them), so tests drive a Worker directl
 from __future__ import annotations
 
 import json
-import os
 import uuid
 from pathlib import Path
 
@@ -98,7 +97,7 @@ class Worker:
 
             self.lora = LoraPool(args, self.cfg, self.plan, self.dtype, self.device, group)
         self._gen = torch.Generator(device=self.device)
-        self._gen.manual_seed(args.random_seed + 7919 * os.getpid() if args.random_seed < 0 else args.random_seed)
+        self._gen.manual_seed(args.random_seed)
 
     def ready(self) -> WorkerReady:
         """The READY message for the scheduler."""

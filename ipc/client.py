@@ -63,6 +63,19 @@ def _request(
     return GenerateReq(text, input_ids, msgs, sp, stream, lora_path, rid or uuid.uuid4().hex)
 
 
+def _dealer(ctx: zmq.Context, endpoint: str) -> zmq.Socket:
+    """A DEALER connected to ``endpoint``; a malformed endpoint frees socket and context, then re-raises."""
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(endpoint)
+    except zmq.ZMQError:
+        sock.close()
+        ctx.term()
+        raise
+    return sock
+
+
 def _result(msg: GenerateOut) -> dict[str, Any]:
     return {"text": msg.text, "output_ids": msg.output_ids, "meta_info": msgspec.to_builtins(msg.meta_info)}
 
@@ -77,14 +90,7 @@ class LoomClient:
 
     def __init__(self, endpoint: str = DEFAULT_ENDPOINT, timeout_s: float = 600.0) -> None:
         self.ctx = zmq.Context()
-        self.sock = self.ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        try:
-            self.sock.connect(endpoint)
-        except zmq.ZMQError:  # a malformed endpoint: free the socket and context before re-raising
-            self.sock.close()
-            self.ctx.term()
-            raise
+        self.sock = _dealer(self.ctx, endpoint)
         self.timeout_s = timeout_s
         self.timeout_ms = max(1, round(timeout_s * 1000))
         self.out: Codec = Codec(ClientMsg)
@@ -215,14 +221,7 @@ class AsyncLoomClient:
 
     def __init__(self, endpoint: str = DEFAULT_ENDPOINT, timeout_s: float = 600.0) -> None:
         self.ctx = zmq.asyncio.Context()
-        self.sock = self.ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        try:
-            self.sock.connect(endpoint)
-        except zmq.ZMQError:  # a malformed endpoint: free the socket and context before re-raising
-            self.sock.close()
-            self.ctx.term()
-            raise
+        self.sock = _dealer(self.ctx, endpoint)
         self.timeout_s = timeout_s
         self.out: Codec = Codec(ClientMsg)
         self.inc: Codec = Codec(ServerMsg)
