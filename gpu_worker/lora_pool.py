@@ -23,7 +23,7 @@ from gpu_worker.lora_cache import CacheKey, HostWeightCache
 from gpu_worker.lora_weights import module_dims, read_adapter, shard_range
 from gpu_worker.tp_plan import ShardPlan
 from ipc.config import ServerArgs
-from ipc.lora_config import LLAMA_LORA_MODULES, read_adapter_config
+from ipc.lora_config import LLAMA_LORA_MODULES, adapter_content_hash, read_adapter_config
 from ipc.model_config import ModelConfig
 
 # fused base projections -> (sub-module, index of its block in the fused output)
@@ -47,6 +47,7 @@ class HostAdapter:
     name: str
     pinned: bool
     ranks: dict[tuple[int, str], int]
+    content_hash: str = ""
 
 
 class LoraPool:
@@ -101,13 +102,22 @@ class LoraPool:
         """uids in this rank's host tier, sorted."""
         return sorted(self.host)
 
-    def load(self, uid: str, name: str, path: str, pinned: bool = False) -> None:
+    def load(self, uid: str, name: str, path: str, pinned: bool = False, expect_hash: str = "") -> str:
         """Validate and read an adapter into the host tier (a pinned one also takes a slot now).
+
+        Returns the sha256 of the adapter files (:func:`adapter_content_hash`). ``expect_hash`` (a restore
+        after a worker restart) refuses files whose content changed since the first load.
 
         Raises LoraConfigError / LoraWeightsError / LoraPoolError naming the problem; nothing is kept then.
         """
         if uid in self.host:
-            return
+            return self.host[uid].content_hash
+        content_hash = adapter_content_hash(path, name)
+        if expect_hash and content_hash != expect_hash:
+            raise LoraPoolError(
+                f"LoRA adapter {name}: the files in {path} changed since it was first loaded "
+                f"(sha256 {content_hash[:12]}… != {expect_hash[:12]}…)"
+            )
         acfg = read_adapter_config(path, name)
         weights = read_adapter(path, name, acfg, self.cfg, self.plan, self.max_rank, self.dtype)
         extra = sorted({m for (_, m) in weights} - set(self.targets))
@@ -125,9 +135,11 @@ class LoraPool:
         except Exception:
             self.cache.drop_uid(uid)
             raise
-        self.host[uid] = HostAdapter(uid, name, pinned, {k: a.shape[0] for k, (a, _) in weights.items()})
+        ranks = {k: a.shape[0] for k, (a, _) in weights.items()}
+        self.host[uid] = HostAdapter(uid, name, pinned, ranks, content_hash)
         if pinned:
             self._ensure_slot(uid, protected=())
+        return content_hash
 
     def unload(self, uid: str) -> None:
         """Drop an adapter from its slot and the host tier (idempotent)."""

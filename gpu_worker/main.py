@@ -51,8 +51,8 @@ def main() -> None:
         if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
             # ranks share the machine's cores; oversubscribed OpenMP threads spin and slow every rank down
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.tp_size))
-        group = init_distributed(args.endpoints.dist_init, rank, args.tp_size, device)
-        worker = Worker(args, rank, group, device)
+        group = init_distributed(ns.dist_init or args.endpoints.dist_init, rank, args.tp_size, device)
+        worker = Worker(args, rank, group, device, epoch=ns.epoch)
         in_codec: Codec = Codec(ToWorkerMsg)
         out_codec: Codec = Codec(FromWorkerMsg)
         sock = make_socket(ctx, zmq.DEALER, args.endpoints.workers, bind=False, identity=f"rank-{rank}".encode())
@@ -63,6 +63,7 @@ def main() -> None:
             name,
             device=str(device),
             dtype=str(worker.dtype),
+            epoch=ns.epoch,
             kv_tokens=worker.kv.num_slots,
             q_heads=list(worker.plan.q_heads),
             kv_heads=list(worker.plan.kv_heads),
@@ -90,7 +91,7 @@ def main() -> None:
                     reply = worker.step(msg)
                 except Exception as e:  # noqa: BLE001 - the scheduler fails the step's requests with this text
                     log.error("step %d failed: %s", msg.step, traceback.format_exc())
-                    reply = StepResult(step=msg.step, rank=rank, next_ids=[], error=f"rank {rank}: {e}")
+                    reply = StepResult(msg.step, rank, [], error=f"rank {rank}: {e}", epoch=ns.epoch)
             elif isinstance(msg, WorkerLoraLoad):
                 reply = worker.load_lora(msg)
             elif isinstance(msg, WorkerLoraUnload):

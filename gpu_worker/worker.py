@@ -67,9 +67,12 @@ class WorkerError(RuntimeError):
 class Worker:
     """One TP rank. ``group`` is the torch.distributed group (None at TP=1)."""
 
-    def __init__(self, args: ServerArgs, rank: int = 0, group: object | None = None, device=None) -> None:
+    def __init__(
+        self, args: ServerArgs, rank: int = 0, group: object | None = None, device=None, epoch: int = 1
+    ) -> None:
         self.args = args
         self.rank = rank
+        self.epoch = epoch
         self.device = device if device is not None else pick_device(args.device, rank)
         self.incarnation = uuid.uuid4().hex
         self.cfg = load_model_config(args.model_path)
@@ -106,6 +109,7 @@ class Worker:
             incarnation=self.incarnation,
             kv_capacity_tokens=self.kv.num_slots,
             loaded_uids=[] if self.lora is None else self.lora.host_uids(),
+            epoch=self.epoch,
         )
 
     def build_inputs(self, fb: ForwardBatch) -> StepInputs:
@@ -171,20 +175,24 @@ class Worker:
         if self.rank == 0:
             next_ids = sample(logits, [r.sampling for r in fb.reqs], [r.output_len for r in fb.reqs], self._gen)
         digest, table = ("", {}) if self.lora is None else self.lora.digest()
-        return StepResult(step=fb.step, rank=self.rank, next_ids=next_ids, slot_digest=digest, slots=table)
+        return StepResult(
+            step=fb.step, rank=self.rank, next_ids=next_ids, slot_digest=digest, slots=table, epoch=self.epoch
+        )
 
     def load_lora(self, msg: WorkerLoraLoad) -> LoraOpAck:
         """Load an adapter into this rank's host tier; the ack carries the error text on failure."""
         if self.lora is None:
-            return LoraOpAck(msg.op_id, self.rank, False, "LoRA is not enabled (start with --enable-lora)")
+            return LoraOpAck(
+                msg.op_id, self.rank, False, "LoRA is not enabled (start with --enable-lora)", epoch=self.epoch
+            )
         try:
-            self.lora.load(msg.uid, msg.name, msg.path, msg.pinned)
+            content_hash = self.lora.load(msg.uid, msg.name, msg.path, msg.pinned, msg.content_hash)
         except Exception as e:  # noqa: BLE001 - every failure goes back to the scheduler as text
-            return LoraOpAck(msg.op_id, self.rank, False, str(e))
-        return LoraOpAck(msg.op_id, self.rank, True)
+            return LoraOpAck(msg.op_id, self.rank, False, str(e), epoch=self.epoch)
+        return LoraOpAck(msg.op_id, self.rank, True, content_hash=content_hash, epoch=self.epoch)
 
     def unload_lora(self, msg: WorkerLoraUnload) -> LoraOpAck:
         """Drop an adapter from this rank (idempotent)."""
         if self.lora is not None:
             self.lora.unload(msg.uid)
-        return LoraOpAck(msg.op_id, self.rank, True)
+        return LoraOpAck(msg.op_id, self.rank, True, epoch=self.epoch)

@@ -45,8 +45,11 @@ class ServerArgs(msgspec.Struct, frozen=True, kw_only=True):
     context_length: int = 0  # 0 = the model's max_position_embeddings
     mem_fraction_static: float = 0.8  # CUDA only: share of free memory for weights + KV cache
     random_seed: int = 0
-    step_timeout_s: float = 120.0
+    step_timeout_s: float = 20.0  # plus 20 ms per token the step carries; then the TP group counts as hung
+    lora_op_timeout_s: float = 30.0  # a LoRA load/unload not answered by every rank by then: the group is hung
     ready_timeout_s: float = 300.0
+    crash_loop_deaths: int = 5  # this many worker deaths within crash_loop_window_s stop the cluster
+    crash_loop_window_s: float = 60.0
     http_port: int = 0  # 0 = no HTTP server
     http_host: str = "127.0.0.1"
     endpoints: Endpoints

@@ -9,6 +9,7 @@ Fields that change the maths are either implemented (``r``, ``lora_alpha``, ``us
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import re
@@ -181,3 +182,30 @@ def read_adapter_config(folder: str | Path, name: str) -> LoraAdapterConfig:
         exclude_spec=exclude or None,
         layers_to_transform=ltt,
     )
+
+
+def adapter_content_hash(folder: str | Path, name: str) -> str:
+    """sha256 (hex) of an adapter's ``adapter_config.json`` and ``adapter_model.safetensors`` bytes.
+
+    Recorded at an adapter's first load, so that a restore after a worker restart can tell whether the folder
+    still holds the same adapter (same uid, same weights) or was changed or removed since.
+
+    Raises:
+        LoraConfigError: a file is missing or unreadable (naming the adapter and the file).
+    """
+    h = hashlib.sha256()
+    for fname in (CONFIG_FILE, WEIGHTS_FILE):
+        path = Path(folder) / fname
+        try:
+            with path.open("rb") as f:
+                h.update(fname.encode() + b"\0")
+                for block in iter(lambda f=f: f.read(1 << 20), b""):
+                    h.update(block)
+        except OSError as e:
+            raise LoraConfigError(f"LoRA adapter {name}: cannot read {path}: {e.strerror or e}") from None
+    return h.hexdigest()
+
+
+def never_loaded_message(name: str, loaded: list[str]) -> str:
+    """The error for a request naming an adapter the cluster cannot serve (SGLang's wording)."""
+    return f"Got LoRA adapter that has never been loaded: {name}\nAll loaded adapters: {sorted(loaded)}"

@@ -195,7 +195,21 @@ class ShutdownCmd(msgspec.Struct, tag=True):
     """Stop cleanly."""
 
 
-ToSchedulerMsg = Union[TokenizedReq, AbortRid, LoraLoadCmd, LoraUnloadCmd, LoraSlotsQuery, ShutdownCmd]
+class WorkersRestarting(msgspec.Struct, tag=True):
+    """Launcher -> scheduler: the TP group is being replaced by group ``epoch`` because of ``cause``.
+
+    The scheduler drops what the old group was computing, puts its running requests back in the queue and
+    waits for every rank of ``epoch`` to say READY.
+    """
+
+    epoch: int
+    cause: str
+    process: str = "gpu_worker"  # e.g. "gpu_worker[1]" (died) or "gpu_worker" (the group hung)
+
+
+ToSchedulerMsg = Union[
+    TokenizedReq, AbortRid, LoraLoadCmd, LoraUnloadCmd, LoraSlotsQuery, ShutdownCmd, WorkersRestarting
+]
 
 # ----------------------------------------------------------------------------- scheduler -> tokenizer_proc
 
@@ -226,15 +240,35 @@ class LoraOpResult(msgspec.Struct, tag=True):
     ok: bool
     error: str = ""
     slots: dict[str, dict[str, int]] = {}  # uid -> {"rank N": slot}
+    content_hash: str = ""  # a load's sha256 of the adapter files every rank read
+
+
+class LostAdapter(msgspec.Struct):
+    """An adapter a restart could not restore: its uid, name and why (folder gone, files changed, invalid)."""
+
+    uid: str
+    name: str
+    reason: str
 
 
 class ClusterEvent(msgspec.Struct, tag=True):
-    """Something the front door must know: a worker restarted (its adapters lost), a fatal error."""
+    """Something the front door must know about the cluster's health.
 
-    kind: str  # worker_restarted | fatal
+    ``kind``:
+    - ``workers_restarting``: the TP group ``epoch`` is being (re)started because of ``message``; requests
+      wait in the queue until ``workers_recovered``.
+    - ``workers_recovered``: group ``epoch`` serves again; ``resumed`` running requests were re-admitted,
+      ``restored`` adapters (names) reloaded under their uids, ``lost`` ones removed from the cluster.
+    - ``fatal``: the cluster cannot go on; ``message`` says why.
+    """
+
+    kind: str
     message: str
-    rank: int = -1
-    lost_uids: list[str] = []
+    epoch: int = 0
+    process: str = ""  # the process whose death or hang caused a restart, e.g. "gpu_worker[1]"
+    resumed: int = 0
+    restored: list[str] = []
+    lost: list[LostAdapter] = []
 
 
 ToTokenizerMsg = Union[BatchTokenOut, LoraOpResult, ClusterEvent]
@@ -278,13 +312,18 @@ class ForwardBatch(msgspec.Struct, tag=True):
 
 
 class WorkerLoraLoad(msgspec.Struct, tag=True):
-    """Load adapter ``uid`` from ``path`` into host memory (validate, shard)."""
+    """Load adapter ``uid`` from ``path`` into host memory (validate, shard).
+
+    ``content_hash`` is empty at a first load; a restore after a worker restart sets it to the hash recorded
+    at the first load, and the rank refuses files whose content changed since.
+    """
 
     op_id: int
     uid: str
     name: str
     path: str
     pinned: bool = False
+    content_hash: str = ""
 
 
 class WorkerLoraUnload(msgspec.Struct, tag=True):
@@ -303,12 +342,14 @@ ToWorkerMsg = Union[ForwardBatch, WorkerLoraLoad, WorkerLoraUnload, WorkerShutdo
 
 
 class WorkerReady(msgspec.Struct, tag=True):
-    """A worker rank is up: its KV capacity (tokens) and a fresh incarnation id (new at every start)."""
+    """A worker rank is up: its KV capacity (tokens), a fresh incarnation id (new at every start), the TP group
+    ``epoch`` the launcher started it in (every group restart increments it) and the adapter uids it holds."""
 
     rank: int
     incarnation: str
     kv_capacity_tokens: int
     loaded_uids: list[str] = []
+    epoch: int = 1
 
 
 class StepResult(msgspec.Struct, tag=True):
@@ -324,6 +365,7 @@ class StepResult(msgspec.Struct, tag=True):
     slot_digest: str = ""
     slots: dict[str, int] = {}
     error: str | None = None
+    epoch: int = 1  # the sender's TP group epoch: results of a group that was replaced are dropped
 
 
 class LoraOpAck(msgspec.Struct, tag=True):
@@ -333,6 +375,8 @@ class LoraOpAck(msgspec.Struct, tag=True):
     rank: int
     ok: bool
     error: str = ""
+    content_hash: str = ""  # sha256 of the adapter files this rank read (loads only)
+    epoch: int = 1
 
 
 FromWorkerMsg = Union[WorkerReady, StepResult, LoraOpAck]
@@ -356,4 +400,11 @@ class ProcFailed(msgspec.Struct, tag=True):
     error: str
 
 
-ControlMsg = Union[ProcReady, ProcFailed]
+class RestartWorkers(msgspec.Struct, tag=True):
+    """Scheduler -> launcher: TP group ``epoch`` is hung (a step or LoRA operation timed out); replace it."""
+
+    epoch: int
+    reason: str
+
+
+ControlMsg = Union[ProcReady, ProcFailed, RestartWorkers]

@@ -32,6 +32,8 @@ def child_setup(name: str) -> tuple[ServerArgs, argparse.Namespace]:
     p = argparse.ArgumentParser(prog=name)
     p.add_argument("--config-file", required=True)
     p.add_argument("--rank", type=int, default=0)
+    p.add_argument("--epoch", type=int, default=1, help="TP group epoch (gpu_worker; +1 at every group restart)")
+    p.add_argument("--dist-init", default="", help="torch.distributed rendezvous of this epoch (gpu_worker)")
     ns = p.parse_args()
     with open(ns.config_file, "rb") as f:
         args = msgspec.json.decode(f.read(), type=ServerArgs)

@@ -7,9 +7,21 @@ waits until no waiting or running request uses it, then goes to every rank.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 from ipc.messages import LoraLoadCmd, LoraOpAck, LoraOpResult, LoraUnloadCmd, WorkerLoraLoad, WorkerLoraUnload
+
+
+@dataclass(frozen=True)
+class LoadedAdapter:
+    """An adapter every rank holds, with what a restarted rank needs to restore it under the same uid."""
+
+    uid: str
+    name: str
+    path: str
+    pinned: bool
+    content_hash: str
 
 
 @dataclass
@@ -19,6 +31,7 @@ class PendingOp:
     cmd: LoraLoadCmd | LoraUnloadCmd
     acks: dict[int, LoraOpAck] = field(default_factory=dict)
     sent: bool = False
+    sent_at: float = 0.0  # monotonic time the command went to the ranks
 
 
 class LoraOps:
@@ -27,8 +40,28 @@ class LoraOps:
     def __init__(self, tp_size: int) -> None:
         self.tp_size = tp_size
         self.pending: dict[int, PendingOp] = {}
-        self.pinned: dict[str, bool] = {}  # uid -> pinned, for adapters loaded on every rank
+        self.loaded: dict[str, LoadedAdapter] = {}  # uid -> adapter, for adapters loaded on every rank
         self._rollback_ids = -1
+
+    @property
+    def pinned(self) -> dict[str, bool]:
+        """uid -> pinned, for every adapter loaded on every rank."""
+        return {u: a.pinned for u, a in self.loaded.items()}
+
+    def next_internal_id(self) -> int:
+        """A negative op id for the scheduler's own commands (rollbacks, restores); front-door ids are > 0."""
+        self._rollback_ids -= 1
+        return self._rollback_ids
+
+    def resend_all(self) -> None:
+        """The TP group was replaced: every command goes again to the new ranks (acks of the old are void)."""
+        for op in self.pending.values():
+            op.sent = False
+            op.acks.clear()
+
+    def forget(self, uid: str) -> None:
+        """Drop ``uid`` from the loaded table (a restore could not bring it back)."""
+        self.loaded.pop(uid, None)
 
     def start(self, cmd: LoraLoadCmd | LoraUnloadCmd) -> None:
         """Register a command from the front door."""
@@ -48,11 +81,20 @@ class LoraOps:
                 if c.pinned and not can_pin():
                     continue
                 out.append(WorkerLoraLoad(c.op_id, c.uid, c.name, c.path, c.pinned))
-                op.sent = True
             elif not in_use(c.uid):
                 out.append(WorkerLoraUnload(c.op_id, c.uid))
-                op.sent = True
+            else:
+                continue
+            op.sent, op.sent_at = True, time.monotonic()
         return out
+
+    def overdue(self, timeout_s: float) -> int | None:
+        """The id of a command sent more than ``timeout_s`` ago that not every rank answered (a hung rank)."""
+        now = time.monotonic()
+        for op_id, op in self.pending.items():
+            if op.sent and now - op.sent_at > timeout_s:
+                return op_id
+        return None
 
     def pending_pins(self) -> set[str]:
         """uids of pinned loads not yet answered by every rank."""
@@ -67,17 +109,21 @@ class LoraOps:
         if len(op.acks) < self.tp_size:
             return None, []
         del self.pending[ack.op_id]
-        bad = [a for a in sorted(op.acks.values(), key=lambda a: a.rank) if not a.ok]
+        acks = sorted(op.acks.values(), key=lambda a: a.rank)
+        bad = [a for a in acks if not a.ok]
         c = op.cmd
-        if not bad:
-            if isinstance(c, LoraLoadCmd):
-                self.pinned[c.uid] = c.pinned
-            else:
-                self.pinned.pop(c.uid, None)
-            return LoraOpResult(c.op_id, True), []
         error = "; ".join(f"rank {a.rank}: {a.error}" for a in bad)
+        hashes = {a.content_hash for a in acks}
+        if not bad and isinstance(c, LoraLoadCmd) and len(hashes) > 1:
+            error = f"LoRA adapter {c.name}: the files in {c.path} changed while the ranks read them; load it again"
+        if not error:
+            if isinstance(c, LoraLoadCmd):
+                h = hashes.pop()
+                self.loaded[c.uid] = LoadedAdapter(c.uid, c.name, c.path, c.pinned, h)
+                return LoraOpResult(c.op_id, True, content_hash=h), []
+            self.loaded.pop(c.uid, None)
+            return LoraOpResult(c.op_id, True), []
         rollback: list[WorkerLoraUnload] = []
         if isinstance(c, LoraLoadCmd):
-            self._rollback_ids -= 1
-            rollback.append(WorkerLoraUnload(self._rollback_ids, c.uid, rollback=True))
+            rollback.append(WorkerLoraUnload(self.next_internal_id(), c.uid, rollback=True))
         return LoraOpResult(c.op_id, False, error), rollback

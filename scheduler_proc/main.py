@@ -15,6 +15,7 @@ from tokenizers import Tokenizer
 
 from ipc.codec import Codec, WireError
 from ipc.config import ServerArgs
+from ipc.lora_config import never_loaded_message
 from ipc.messages import (
     AbortRid,
     BatchTokenOut,
@@ -25,6 +26,7 @@ from ipc.messages import (
     LoraOpResult,
     LoraSlotsQuery,
     LoraUnloadCmd,
+    RestartWorkers,
     ShutdownCmd,
     StepResult,
     TokenizedReq,
@@ -33,11 +35,13 @@ from ipc.messages import (
     ToWorkerMsg,
     WorkerReady,
     WorkerShutdown,
+    WorkersRestarting,
 )
 from ipc.model_config import load_model_config
 from ipc.proc import StopRequested, begin_cleanup, child_setup
-from ipc.sockets import failed, make_socket, ready
+from ipc.sockets import CONTROL_CODEC, failed, make_socket, ready
 from scheduler_proc.lora_ops import LoraOps
+from scheduler_proc.recovery import GroupRecovery, RestoreOutcome
 from scheduler_proc.scheduler import Scheduler
 
 log = logging.getLogger("scheduler")
@@ -59,6 +63,11 @@ def check_digests(results: dict[int, StepResult]) -> None:
         )
 
 
+# a step may take this long per token it carries on top of --step-timeout before the group counts as hung
+# (a 4,000-token prefill takes about 5 s on a 2-core CPU; 20 ms per token leaves a wide margin)
+STEP_TIMEOUT_PER_TOKEN_S = 0.02
+
+
 class SchedulerLoop:
     """Sockets + the :class:`Scheduler`; ``run`` returns when asked to shut down."""
 
@@ -68,17 +77,23 @@ class SchedulerLoop:
         self.from_front = make_socket(ctx, zmq.PULL, ep.to_scheduler, bind=True)
         self.to_front = make_socket(ctx, zmq.PUSH, ep.to_tokenizer, bind=False)
         self.workers = make_socket(ctx, zmq.ROUTER, ep.workers, bind=True)
+        # a restarted rank reconnects under the same identity: let it take over the dead one's route at once
+        self.workers.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        self.control = make_socket(ctx, zmq.PUSH, ep.control, bind=False)
         self.in_codec: Codec = Codec(ToSchedulerMsg)
         self.front_codec: Codec = Codec(ToTokenizerMsg)
         self.worker_in: Codec = Codec(FromWorkerMsg)
         self.worker_out: Codec = Codec(ToWorkerMsg)
         self.ops = LoraOps(args.tp_size)
+        self.recovery = GroupRecovery(args.tp_size)
         self.ready: dict[int, WorkerReady] = {}
         self.results: dict[int, StepResult] = {}
         self.step_started = 0.0
+        self.step_deadline_s = 0.0
         self.sched: Scheduler | None = None
         self.in_flight = False
         self.last_tables: dict[int, dict[str, int]] = {}
+        self.resumed = 0
 
     # ------------------------------------------------------------------ start-up
     def wait_for_workers(self) -> None:
@@ -93,6 +108,7 @@ class SchedulerLoop:
                 msg = self.worker_in.decode(frame)
                 if isinstance(msg, WorkerReady):
                     self.ready[msg.rank] = msg
+        self.recovery.epoch = max(r.epoch for r in self.ready.values())
         cfg = load_model_config(self.args.model_path)
         tok = Tokenizer.from_file(f"{self.args.model_path}/tokenizer.json")
         capacity = min(r.kv_capacity_tokens for r in self.ready.values())
@@ -113,7 +129,10 @@ class SchedulerLoop:
     def _broadcast(self, msg: object) -> None:
         frame = self.worker_out.encode(msg)
         for r in range(self.args.tp_size):
-            self.workers.send_multipart([f"rank-{r}".encode(), frame])
+            try:
+                self.workers.send_multipart([f"rank-{r}".encode(), frame])
+            except zmq.ZMQError as e:  # EHOSTUNREACH: the rank is dead or not yet back; recovery resends
+                log.warning("rank %d unreachable (%s); dropping %s", r, e, type(msg).__name__)
 
     def _emit(self, outs: list) -> None:
         if outs:
@@ -121,7 +140,7 @@ class SchedulerLoop:
 
     # ------------------------------------------------------------------ handlers
     def on_front(self, frame: bytes) -> bool:
-        """Handle one message from the tokenizer; False means shut down."""
+        """Handle one message from the tokenizer (or the launcher); False means shut down."""
         try:
             msg = self.in_codec.decode(frame)
         except WireError as e:
@@ -140,6 +159,8 @@ class SchedulerLoop:
             self.ops.start(msg)
         elif isinstance(msg, LoraSlotsQuery):
             self._to_front(LoraOpResult(msg.op_id, True, slots=self._slot_tables()))
+        elif isinstance(msg, WorkersRestarting):
+            self._group_lost(msg.epoch, msg.cause, msg.process)
         elif isinstance(msg, ShutdownCmd):
             return False
         return True
@@ -152,13 +173,30 @@ class SchedulerLoop:
         return out
 
     def on_worker(self, frame: bytes) -> None:
-        """Handle one message from a worker rank."""
-        msg = self.worker_in.decode(frame)
+        """Handle one message from a worker rank; messages of a replaced TP group are dropped."""
+        try:
+            msg = self.worker_in.decode(frame)
+        except WireError as e:
+            log.error("dropping bad frame from a worker: %s", e)
+            return
+        if isinstance(msg, WorkerReady):
+            self._on_ready(msg)
+            return
+        if not self.recovery.is_current(msg.epoch):
+            log.info("dropping %s of replaced TP group epoch %d", type(msg).__name__, msg.epoch)
+            return
         if isinstance(msg, StepResult):
+            if not self.in_flight:
+                return
             self.results[msg.rank] = msg
             if len(self.results) == self.args.tp_size:
                 self._finish_step()
         elif isinstance(msg, LoraOpAck):
+            if self.recovery.owns(msg.op_id):
+                outcome = self.recovery.on_ack(msg, self.ops.next_internal_id)
+                if outcome is not None:
+                    self._finish_recovery(outcome)
+                return
             result, rollback = self.ops.on_ack(msg)
             for m in rollback:
                 self._broadcast(m)
@@ -167,15 +205,82 @@ class SchedulerLoop:
                     self._sync_pins()
                 self.sched.reserved_pins = self.ops.pending_pins()
                 self._to_front(result)
-        elif isinstance(msg, WorkerReady):
-            log.warning("rank %d re-registered (incarnation %s)", msg.rank, msg.incarnation)
-            self._to_front(ClusterEvent("worker_restarted", f"rank {msg.rank} restarted", rank=msg.rank))
+
+    # ------------------------------------------------------------------ TP group replacement
+    def _group_lost(self, epoch: int, cause: str, process: str = "gpu_worker") -> None:
+        """Group ``epoch`` replaces the current one: requeue the running requests, void what was in flight."""
+        if not self.recovery.begin(epoch, cause, process):
+            return
+        self.in_flight = False
+        self.results = {}
+        n = self.sched.requeue_running()
+        self.resumed += n
+        self.ops.resend_all()
+        log.warning("TP group replaced by epoch %d (%s); %d running requests will resume", epoch, cause, n)
+        self._to_front(ClusterEvent("workers_restarting", cause, epoch=epoch, process=process))
+
+    def _request_restart(self, reason: str) -> None:
+        """The group is hung: ask the launcher to replace it, and stop waiting for it at once."""
+        old = self.recovery.epoch
+        log.error("TP group epoch %d is hung (%s); asking the launcher to replace it", old, reason)
+        try:
+            self.control.send(CONTROL_CODEC.encode(RestartWorkers(old, reason)), zmq.NOBLOCK)
+        except zmq.ZMQError as e:
+            log.error("cannot reach the launcher: %s", e)
+        self._group_lost(old + 1, reason, "gpu_worker")
+
+    def _on_ready(self, msg: WorkerReady) -> None:
+        if msg.epoch < self.recovery.epoch:
+            return
+        if msg.epoch > self.recovery.epoch:  # READY overtook the launcher's notice
+            self._group_lost(msg.epoch, f"rank {msg.rank} re-registered", "gpu_worker")
+        if self.recovery.phase != "waiting":
+            log.warning("rank %d sent READY again for epoch %d; ignored", msg.rank, msg.epoch)
+            return
+        self.ready[msg.rank] = msg
+        complete, loads = self.recovery.on_ready(msg, self.ops.loaded, self.ops.next_internal_id)
+        for m in loads:
+            self._broadcast(m)
+        if complete:
+            self._finish_recovery(RestoreOutcome())
+
+    def _finish_recovery(self, outcome: RestoreOutcome) -> None:
+        for m in outcome.rollback:
+            self._broadcast(m)
+        for lost in outcome.lost:
+            log.error("LoRA adapter %s (uid %s) could not be restored: %s", lost.name, lost.uid, lost.reason)
+            self.ops.forget(lost.uid)
+        self._sync_pins()
+        names = sorted(a.name for a in self.ops.loaded.values())
+        for lost in outcome.lost:
+            self._emit(self.sched.fail_adapter(lost.uid, never_loaded_message(lost.name, names)))
+        took = time.monotonic() - self.recovery.since
+        log.warning(
+            "TP group epoch %d serving again: %d requests resumed, adapters restored %s, lost %s (%.2f s)",
+            self.recovery.epoch,
+            self.resumed,
+            outcome.restored,
+            [x.name for x in outcome.lost],
+            took,
+        )
+        self._to_front(
+            ClusterEvent(
+                "workers_recovered",
+                f"TP group epoch {self.recovery.epoch} serving again",
+                epoch=self.recovery.epoch,
+                resumed=self.resumed,
+                restored=outcome.restored,
+                lost=outcome.lost,
+                process=self.recovery.process,
+            )
+        )
+        self.resumed = 0
 
     def _sync_pins(self) -> None:
         s = self.sched
         s.pinned_uids = {u for u, p in self.ops.pinned.items() if p}
-        s.loaded_uids = set(self.ops.pinned)
-        s.blocked_uids &= set(self.ops.pinned) | {
+        s.loaded_uids = set(self.ops.loaded)
+        s.blocked_uids &= set(self.ops.loaded) | {
             c.cmd.uid for c in self.ops.pending.values() if isinstance(c.cmd, LoraUnloadCmd)
         }
 
@@ -190,6 +295,23 @@ class SchedulerLoop:
         self.last_tables = {r: res.slots for r, res in results.items()}
         self._emit(self.sched.on_result(results[0].next_ids))
 
+    # ------------------------------------------------------------------ hang detection
+    def _check_timeouts(self) -> None:
+        now = time.monotonic()
+        rec = self.recovery
+        if self.in_flight and now - self.step_started > self.step_deadline_s:
+            missing = sorted(set(range(self.args.tp_size)) - set(self.results))
+            self._request_restart(f"step timed out after {self.step_deadline_s:.1f} s waiting for ranks {missing}")
+        elif rec.phase == "waiting" and now - rec.since > self.args.ready_timeout_s:
+            missing = sorted(set(range(self.args.tp_size)) - set(rec.ready))
+            self._request_restart(f"ranks {missing} did not report READY in {self.args.ready_timeout_s:.0f} s")
+        elif rec.phase == "restoring" and now - rec.since > self.args.lora_op_timeout_s:
+            self._request_restart(f"restoring adapters took over {self.args.lora_op_timeout_s:.0f} s")
+        elif rec.serving:
+            late = self.ops.overdue(self.args.lora_op_timeout_s)
+            if late is not None:
+                self._request_restart(f"LoRA operation {late} got no answer in {self.args.lora_op_timeout_s:.0f} s")
+
     # ------------------------------------------------------------------ loop
     def run(self) -> None:
         """Serve until ShutdownCmd or SIGTERM."""
@@ -197,7 +319,7 @@ class SchedulerLoop:
         poller.register(self.from_front, zmq.POLLIN)
         poller.register(self.workers, zmq.POLLIN)
         while True:
-            if not self.in_flight:
+            if not self.in_flight and self.recovery.serving:
                 for m in self.ops.ready_to_send(self.sched.uses_adapter, self.sched.can_pin):
                     self._broadcast(m)
                 fb = self.sched.next_batch()
@@ -205,6 +327,8 @@ class SchedulerLoop:
                     self._broadcast(fb)
                     self.in_flight = True
                     self.step_started = time.monotonic()
+                    tokens = sum(len(r.input_ids) for r in fb.reqs)
+                    self.step_deadline_s = self.args.step_timeout_s + STEP_TIMEOUT_PER_TOKEN_S * tokens
             events = dict(poller.poll(1000 if not self.in_flight else 200))
             if self.from_front in events:
                 for _ in range(256):
@@ -222,12 +346,7 @@ class SchedulerLoop:
                     except zmq.Again:
                         break
                     self.on_worker(frame)
-            if self.in_flight and time.monotonic() - self.step_started > self.args.step_timeout_s:
-                missing = sorted(set(range(self.args.tp_size)) - set(self.results))
-                msg = f"step timed out after {self.args.step_timeout_s} s waiting for ranks {missing}"
-                self._emit(self.sched.fail_in_flight(msg))
-                self._to_front(ClusterEvent("fatal", msg))
-                raise RuntimeError(msg)
+            self._check_timeouts()
 
 
 def main() -> None:

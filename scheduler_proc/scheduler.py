@@ -42,6 +42,11 @@ class Req:
         """Tokens whose KV is (or is being) cached."""
         return len(self.slots)
 
+    def prefill_ids(self) -> list[int]:
+        """Tokens to prefill at admission: the prompt, plus every token already produced when a request is
+        re-admitted after a worker restart (its KV was lost; the next sampled token continues the output)."""
+        return self.input_ids + self.output_ids
+
 
 class Scheduler:
     """Continuous-batching scheduler.
@@ -81,6 +86,8 @@ class Scheduler:
         self.blocked_uids: set[str] = set()  # adapters being unloaded: refuse new requests
         # adapters every rank confirmed loading; None = not tracked (the process loop tracks it)
         self.loaded_uids: set[str] | None = None
+        # adapters a worker restart could not restore: uid -> the never-been-loaded error for their requests
+        self.lost_uids: dict[str, str] = {}
         self._arrivals = 0
         self._step = 0
         self._in_flight: list[Req] | None = None
@@ -91,7 +98,7 @@ class Scheduler:
         sp = msg.sampling
         n = len(msg.input_ids)
         need = n + sp.max_new_tokens
-        err = None
+        err, kind = None, "bad_request"
         if msg.rid in self.running or any(r.rid == msg.rid for r in self.waiting):
             err = f"request id {msg.rid!r} is already in use"
         elif n == 0:
@@ -105,10 +112,12 @@ class Scheduler:
             err = f"prompt + max_new_tokens = {need} tokens exceeds the whole KV pool ({self.kv.slots.capacity})"
         elif msg.lora_uid is not None and msg.lora_uid in self.blocked_uids:
             err = f"LoRA adapter {msg.lora_uid} is being unloaded"
+        elif msg.lora_uid is not None and msg.lora_uid in self.lost_uids:
+            err, kind = self.lost_uids[msg.lora_uid], "not_found"
         elif msg.lora_uid is not None and self.loaded_uids is not None and msg.lora_uid not in self.loaded_uids:
             err = f"LoRA adapter uid {msg.lora_uid} is not loaded on the workers (reload it)"
         if err is not None:
-            return [TokenOut(msg.rid, [], n, 0, True, FinishReason("abort", message=err), error=err)]
+            return [TokenOut(msg.rid, [], n, 0, True, FinishReason("abort", message=err), error=err, error_kind=kind)]
         stop_ids = frozenset(sp.stop_token_ids) | (frozenset() if sp.ignore_eos else self.eos_ids)
         self.waiting.append(
             Req(
@@ -164,7 +173,7 @@ class Scheduler:
         for r in list(self.waiting):
             if len(self.running) + len(admitted) >= self.max_running:
                 break
-            need = len(r.input_ids) + r.max_new_tokens
+            need = len(r.input_ids) + r.max_new_tokens  # covers a re-admission's produced tokens too
             new_adapter = r.lora_uid is not None and r.lora_uid not in self.pinned_uids and r.lora_uid not in adapters
             fits = self.kv.can_reserve(need) and not (new_adapter and len(adapters) >= self._unpinned_slots())
             if not fits:
@@ -198,11 +207,12 @@ class Scheduler:
             )
             reqs.append(r)
         for r in self._admit():
-            slots = self.kv.take(len(r.input_ids))
+            ids = r.prefill_ids()
+            slots = self.kv.take(len(ids))
             r.reserved -= len(slots)
             r.slots = list(slots)  # the plan keeps its own list
             self.running[r.rid] = r
-            plan.append(BatchReq(r.rid, r.req_idx, r.input_ids, 0, slots, r.lora_uid, r.sampling, 0))
+            plan.append(BatchReq(r.rid, r.req_idx, ids, 0, slots, r.lora_uid, r.sampling, len(r.output_ids)))
             reqs.append(r)
         if not plan:
             return None
@@ -243,6 +253,32 @@ class Scheduler:
                 out = self._finish_out(r, FinishReason("abort", message=message), error=message)
                 out.error_kind = "server_error"
                 outs.append(out)
+        return outs
+
+    def requeue_running(self) -> int:
+        """The workers lost their KV (a TP group restart): drop the step in flight, free every running request's
+        KV and row, and put them back at the head of the queue in arrival order. Each is re-admitted with a
+        prefill of prompt + produced tokens, so it continues exactly where it stopped. Returns how many."""
+        self._in_flight = None
+        back = sorted(self.running.values(), key=lambda r: r.arrival)
+        for r in back:
+            self.kv.release(r.slots, r.reserved)
+            self.rows.free([r.req_idx])
+            r.slots, r.reserved, r.req_idx = [], 0, -1
+        self.running.clear()
+        self.waiting.extendleft(reversed(back))
+        return len(back)
+
+    def fail_adapter(self, uid: str, message: str) -> list[TokenOut]:
+        """Adapter ``uid`` is gone for good: end its waiting requests with ``message`` (kind ``not_found``) and
+        refuse later ones the same way."""
+        self.lost_uids[uid] = message
+        outs = []
+        for r in [r for r in self.waiting if r.lora_uid == uid]:
+            self.waiting.remove(r)
+            out = self._finish_out(r, FinishReason("abort", message=message), error=message)
+            out.error_kind = "not_found"
+            outs.append(out)
         return outs
 
     def _finish_reason(self, r: Req, tok: int) -> FinishReason | None:

@@ -39,28 +39,39 @@ SAMPLES = {
         m.LoraUnloadCmd(2, "uid"),
         m.LoraSlotsQuery(3),
         m.ShutdownCmd(),
+        m.WorkersRestarting(2, "gpu_worker[1] exited with code -9 (SIGKILL)", "gpu_worker[1]"),
     ],
     "ToTokenizerMsg": [
         m.BatchTokenOut([m.TokenOut("r", [1], 3, 1), m.TokenOut("s", [2], 4, 5, True, m.FinishReason("length"))]),
         m.BatchTokenOut([m.TokenOut("r", [], 3, 0, True, m.FinishReason("abort", message="x"), error="x")]),
         m.LoraOpResult(1, False, "boom", {"uid": {"rank 0": 0, "rank 1": 0}}),
-        m.ClusterEvent("worker_restarted", "rank 1 restarted", 1, ["u1"]),
+        m.ClusterEvent("workers_restarting", "gpu_worker[1] died", epoch=2, process="gpu_worker[1]"),
+        m.ClusterEvent(
+            "workers_recovered", "ok", epoch=2, resumed=3, restored=["a"], lost=[m.LostAdapter("u", "b", "gone")]
+        ),
     ],
     "ToWorkerMsg": [
         m.ForwardBatch(
             3, [m.BatchReq("r", 0, [1, 2], 0, [7, 8], None, WS), m.BatchReq("s", 1, [9], 4, [3], "u", WS, 2)]
         ),
         m.WorkerLoraLoad(1, "uid", "a", "/p"),
+        m.WorkerLoraLoad(-2, "uid", "a", "/p", True, content_hash="ab" * 32),
         m.WorkerLoraUnload(2, "uid", rollback=True),
         m.WorkerShutdown(),
     ],
     "FromWorkerMsg": [
         m.WorkerReady(1, "inc", 4096, ["u"]),
+        m.WorkerReady(0, "inc", 4096, [], epoch=3),
         m.StepResult(3, 0, [5, 6], "digest", {"u": 0}),
         m.StepResult(3, 1, [], error="rank 1: boom"),
         m.LoraOpAck(1, 0, False, "bad"),
+        m.LoraOpAck(1, 1, True, content_hash="cd" * 32, epoch=2),
     ],
-    "ControlMsg": [m.ProcReady("scheduler_proc", 123, {"kv_tokens": 10}), m.ProcFailed("gpu_worker[1]", 5, "oom")],
+    "ControlMsg": [
+        m.ProcReady("scheduler_proc", 123, {"kv_tokens": 10}),
+        m.ProcFailed("gpu_worker[1]", 5, "oom"),
+        m.RestartWorkers(1, "step timed out"),
+    ],
 }
 UNIONS = {name: getattr(m, name) for name in SAMPLES}
 

@@ -455,8 +455,9 @@ def test_sigint_stops_everything_and_cleans_up(cluster, shm_before):
 # ----------------------------------------------------------------------------- separate clusters
 
 
-def test_sigkill_of_a_worker_stops_the_cluster(tmp_path, model_path):
-    """Rank 1 dies mid-generation: the client hears of it, the launcher names the dead rank and stops everything."""
+def test_sigkill_of_the_scheduler_stops_the_cluster(tmp_path, model_path):
+    """The scheduler dies mid-generation: the client hears of it, the launcher names it and stops everything.
+    (A dead worker is replaced instead: tests/test_failover_worker.py.)"""
     with launch_cluster(tmp_path, "--tp-size", "2", "--max-total-tokens", "512") as h:
         pids = dict(h.children)
         assert set(pids) == {"gpu_worker[0]", "gpu_worker[1]", "scheduler_proc", "tokenizer_proc"}
@@ -464,7 +465,7 @@ def test_sigkill_of_a_worker_stops_the_cluster(tmp_path, model_path):
             sp = {"max_new_tokens": 300, "ignore_eos": True}
             stream = c.generate(text="Tell me a story.", sampling_params=sp, stream=True)
             next(stream)
-            os.kill(pids["gpu_worker[1]"], signal.SIGKILL)
+            os.kill(pids["scheduler_proc"], signal.SIGKILL)
             t0 = time.monotonic()
             with pytest.raises(LoomError) as e:
                 for _ in stream:
@@ -474,7 +475,7 @@ def test_sigkill_of_a_worker_stops_the_cluster(tmp_path, model_path):
         elapsed = time.monotonic() - t0
         log = h.log()
         assert code != 0, log
-        assert "gpu_worker[1] exited with code -9 (SIGKILL); stopping the cluster" in log, log
+        assert "scheduler_proc exited with code -9 (SIGKILL); stopping the cluster" in log, log
         assert elapsed < 10, f"cluster took {elapsed:.1f} s to stop\n{log}"
         for name, pid in pids.items():
             assert not pid_alive(pid), f"{name} (pid {pid}) survived"

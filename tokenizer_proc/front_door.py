@@ -9,7 +9,7 @@ import asyncio
 import itertools
 import logging
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
 from ipc.config import ServerArgs
@@ -56,6 +56,16 @@ class Sink(Protocol):
 
 
 @dataclass
+class ClusterHealth:
+    """What the front door knows of the cluster: why it cannot serve now (None = it can), and counters."""
+
+    unavailable: str | None = None
+    restarts: dict[str, int] = field(default_factory=dict)  # process -> restarts
+    resumed: int = 0  # running requests re-admitted after a TP group restart
+    adapters_lost: int = 0  # adapters a restart could not restore
+
+
+@dataclass
 class Pending:
     """A request the scheduler is working on."""
 
@@ -88,6 +98,7 @@ class FrontDoor:
         self._ops: dict[int, asyncio.Future] = {}
         self._op_ids = itertools.count(1)
         self._reloads: dict[str, asyncio.Future] = {}
+        self.health = ClusterHealth()
 
     # ------------------------------------------------------------------ generate
     def _check_chars(self, what: str, n_chars: int, req: GenerateReq) -> None:
@@ -267,16 +278,23 @@ class FrontDoor:
         return LoraListOut(out)
 
     def on_cluster_event(self, ev: ClusterEvent) -> None:
-        """A worker restarted (its adapters are gone) or the cluster hit a fatal error."""
-        if ev.kind == "worker_restarted":
-            lost = sorted(self.registry.loaded)
-            for name in lost:
-                self.registry.remove(name, forget=False)
-            log.warning(
-                "LoRA registry out of sync: rank %d restarted and lost adapters %s; they reload on next use",
-                ev.rank,
-                lost,
-            )
+        """Track the TP group's health; forget adapters a worker restart could not restore."""
+        h = self.health
+        if ev.kind == "workers_restarting":
+            h.unavailable = f"TP group restarting (epoch {ev.epoch}): {ev.message}"
+            h.restarts[ev.process or "gpu_worker"] = h.restarts.get(ev.process or "gpu_worker", 0) + 1
+            log.warning("%s; requests wait in the queue", h.unavailable)
+        elif ev.kind == "workers_recovered":
+            h.unavailable = None
+            h.resumed += ev.resumed
+            for lost in ev.lost:
+                e = self.registry.loaded.get(lost.name)
+                if e is None or e.uid == lost.uid:  # never drop a newer load of the same name
+                    self.registry.remove(lost.name, forget=True)
+                h.adapters_lost += 1
+                log.error("LoRA adapter %s could not be restored and was removed: %s", lost.name, lost.reason)
+            log.info("%s: %d requests resumed, adapters restored %s", ev.message, ev.resumed, ev.restored)
         elif ev.kind == "fatal":
             log.error("cluster error: %s", ev.message)
+            h.unavailable = ev.message
             self.fail_all(ev.message)

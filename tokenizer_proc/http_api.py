@@ -33,6 +33,7 @@ from urllib.parse import urlsplit
 
 import msgspec
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
 
 from ipc.messages import (
     AdminOut,
@@ -43,7 +44,7 @@ from ipc.messages import (
     ServerMsg,
     UnloadLoraReq,
 )
-from tokenizer_proc.front_door import FrontDoor
+from tokenizer_proc.front_door import ClusterHealth, FrontDoor
 from tokenizer_proc.registry import AdapterRefused, UnknownAdapter
 
 log = logging.getLogger("tokenizer.http")
@@ -402,6 +403,31 @@ class Streamed:
 Handler = Callable[[Request, Connection], Awaitable["Response | Streamed"]]
 
 
+class FailoverCollector:
+    """Prometheus counters of the front door's :class:`ClusterHealth` (restarts, resumed requests, lost
+    adapters), read at scrape time."""
+
+    def __init__(self, health: ClusterHealth) -> None:
+        self.health = health
+
+    def collect(self):  # noqa: ANN201 - prometheus_client's collector protocol
+        """Yield the three counter families."""
+        restarts = CounterMetricFamily(
+            "loom_process_restarts", "Processes restarted by the launcher after a death or hang", labels=["process"]
+        )
+        for proc, n in sorted(self.health.restarts.items()):
+            restarts.add_metric([proc], n)
+        yield restarts
+        yield CounterMetricFamily(
+            "loom_requests_resumed", "Running requests re-admitted after a TP group restart", value=self.health.resumed
+        )
+        yield CounterMetricFamily(
+            "loom_lora_adapters_lost",
+            "Adapters a restart could not restore (folder gone, files changed or invalid)",
+            value=self.health.adapters_lost,
+        )
+
+
 class HttpApi:
     """Routes HTTP requests to a :class:`FrontDoor`; one asyncio task per connection.
 
@@ -437,6 +463,7 @@ class HttpApi:
             "loom_running_requests", "Requests the front door is waiting on (HTTP and ZMQ)", registry=self.registry
         )
         self.m_running.set_function(lambda: len(door.pending))
+        self.registry.register(FailoverCollector(door.health))
 
     # ------------------------------------------------------------------ lifecycle
     @property
@@ -549,7 +576,11 @@ class HttpApi:
 
     # ------------------------------------------------------------------ endpoints
     async def health(self, req: Request, conn: Connection) -> Response:
-        """``GET /health``: 200 ``{"status": "ok"}`` while the front door runs."""
+        """``GET /health``: 200 ``{"status": "ok"}`` while the cluster can serve; 503 ``{"status":
+        "unavailable", "reason"}`` while the TP group restarts (requests sent meanwhile wait in the queue)."""
+        down = self.door.health.unavailable
+        if down is not None:
+            return json_response(503, {"status": "unavailable", "reason": down})
         return json_response(200, {"status": "ok"})
 
     async def model_info(self, req: Request, conn: Connection) -> Response:

@@ -116,7 +116,8 @@ class FrontDoorServer:
             elif isinstance(msg, ListLorasReq):
                 sink.send(await self.door.list_adapters())
             elif isinstance(msg, HealthReq):
-                sink.send(AdminOut(True, "ok", {"running": len(self.door.pending)}))
+                down = self.door.health.unavailable
+                sink.send(AdminOut(down is None, down or "ok", {"running": len(self.door.pending)}))
         except (AdapterRefused, UnknownAdapter) as e:
             sink.send(AdminOut(False, str(e)))
         except Exception as e:  # noqa: BLE001 - a handler bug answers this client, the server stays up

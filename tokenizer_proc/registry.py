@@ -12,7 +12,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from ipc.lora_config import LoraConfigError, read_adapter_config
+from ipc.lora_config import LoraConfigError, never_loaded_message, read_adapter_config
 
 
 class UnknownAdapter(LookupError):
@@ -101,8 +101,7 @@ class LoraRegistry:
             return e
         if name in self.refs:
             return None
-        loaded = sorted(self.loaded)
-        raise UnknownAdapter(f"Got LoRA adapter that has never been loaded: {name}\nAll loaded adapters: {loaded}")
+        raise UnknownAdapter(never_loaded_message(name, list(self.loaded)))
 
     def eviction_victim(self) -> Entry | None:
         """Least recently used unpinned adapter when the host tier is over ``max_loaded`` (else None)."""
