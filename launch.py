@@ -184,10 +184,12 @@ class Cluster:
         self.config_file = Path(args.endpoints.socket_dir) / "config.json"
         self.config_file.write_bytes(msgspec.json.encode(args))
         self.epoch = 1
-        self.deaths: deque[float] = deque()
+        self.deaths: dict[str, deque[float]] = {}  # "gpu_worker" / "scheduler_proc" / "tokenizer_proc" -> times
         self.restarting_since: float | None = None
         self.ready_ranks: set[int] = set()
         self.restarts: dict[str, int] = {}
+        self.incarnations = {"scheduler_proc": 1, "tokenizer_proc": 1}
+        self.respawned_at: dict[str, float] = {}
 
     def _spawn(self, name: str, module: str, extra: list[str], env_extra: dict[str, str] | None = None) -> None:
         env = dict(os.environ)
@@ -209,8 +211,12 @@ class Cluster:
     def start(self) -> None:
         """Start every process (workers first; the scheduler waits for them)."""
         self._spawn_workers(self.args.endpoints.dist_init)
-        self._spawn("scheduler_proc", "scheduler_proc.main", [])
-        self._spawn("tokenizer_proc", "tokenizer_proc.main", [])
+        self._spawn_service("scheduler_proc")
+        self._spawn_service("tokenizer_proc")
+
+    def _spawn_service(self, name: str) -> None:
+        extra = ["--incarnation", str(self.incarnations[name]), "--restarts", json.dumps(self.restarts)]
+        self._spawn(name, f"{name}.main", extra)
 
     def wait_ready(self) -> None:
         """Block until all processes are READY. Raises RuntimeError naming the process that failed or hung."""
@@ -264,6 +270,9 @@ class Cluster:
                     self.restart_group("gpu_worker", f"the scheduler found the group hung: {msg.reason}", None)
             elif isinstance(msg, ProcReady) and msg.name.startswith("gpu_worker"):
                 self._on_worker_ready(msg)
+            elif isinstance(msg, ProcReady) and msg.name in self.respawned_at:
+                took = time.monotonic() - self.respawned_at.pop(msg.name)
+                log.info("%s is back (pid %d) in %.2f s", msg.name, msg.pid, took)
             elif isinstance(msg, ProcFailed):
                 log.error("%s failed to start: %s", msg.name, msg.error)
             msg = self._recv_control(0)
@@ -271,9 +280,52 @@ class Cluster:
         if dead is None:
             return
         name, code = dead
-        if not name.startswith("gpu_worker"):
-            raise RuntimeError(f"{name} exited with code {describe_exit(code)}; stopping the cluster")
-        self.restart_group(name, f"{name} exited with code {describe_exit(code)}", code)
+        if name.startswith("gpu_worker"):
+            self.restart_group(name, f"{name} exited with code {describe_exit(code)}", code)
+        else:
+            self.restart_service(name, code)
+
+    def _count_failure(self, key: str, process: str, cause: str, code: int | None) -> int:
+        """Record a failure; returns how many of ``key`` fell within the crash-loop window.
+
+        Raises:
+            CrashLoop: this is the ``crash_loop_deaths``-th failure within ``crash_loop_window_s`` seconds.
+        """
+        now = time.monotonic()
+        times = self.deaths.setdefault(key, deque())
+        times.append(now)
+        while times and now - times[0] > self.args.crash_loop_window_s:
+            times.popleft()
+        if len(times) >= self.args.crash_loop_deaths:
+            last = "hung" if code is None else describe_exit(code)
+            raise CrashLoop(
+                f"{process} failed {len(times)} times within {self.args.crash_loop_window_s:.0f} s "
+                f"(last: {cause}; exit status {last}); stopping instead of restarting again"
+            )
+        self.restarts[process] = self.restarts.get(process, 0) + 1
+        return len(times)
+
+    def restart_service(self, name: str, code: int) -> None:
+        """Restart a dead scheduler_proc or tokenizer_proc; the other processes keep running. A new scheduler
+        asks the workers to register again and the front door resubmits its requests; a new front door
+        rebuilds the LoRA registry from what the workers hold before it takes traffic.
+
+        Raises:
+            CrashLoop: see :meth:`_count_failure`.
+        """
+        cause = f"{name} exited with code {describe_exit(code)}"
+        n = self._count_failure(name, name, cause, code)
+        self.procs.pop(name).wait()
+        self.incarnations[name] += 1
+        log.warning(
+            "%s; restarting it as incarnation %d (%d failures in the last %.0f s)",
+            cause,
+            self.incarnations[name],
+            n,
+            self.args.crash_loop_window_s,
+        )
+        self.respawned_at[name] = time.monotonic()
+        self._spawn_service(name)
 
     def _on_worker_ready(self, msg: ProcReady) -> None:
         if msg.facts.get("epoch") != self.epoch:
@@ -290,34 +342,29 @@ class Cluster:
         Raises:
             CrashLoop: this is the ``crash_loop_deaths``-th death within ``crash_loop_window_s`` seconds.
         """
+        n = self._count_failure("gpu_worker", process, cause, code)
         now = time.monotonic()
-        self.deaths.append(now)
-        while self.deaths and now - self.deaths[0] > self.args.crash_loop_window_s:
-            self.deaths.popleft()
-        if len(self.deaths) >= self.args.crash_loop_deaths:
-            last = "hung" if code is None else describe_exit(code)
-            raise CrashLoop(
-                f"{process} failed {len(self.deaths)} times within {self.args.crash_loop_window_s:.0f} s "
-                f"(last: {cause}; exit status {last}); stopping instead of restarting again"
-            )
-        workers = [n for n in self.procs if n.startswith("gpu_worker")]
-        for n in workers:  # SIGKILL also ends a SIGSTOPped rank or one stuck in a collective
+        workers = [w for w in self.procs if w.startswith("gpu_worker")]
+        for w in workers:  # SIGKILL also ends a SIGSTOPped rank or one stuck in a collective
             try:
-                os.killpg(self.procs[n].pid, signal.SIGKILL)
+                os.killpg(self.procs[w].pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
-        for n in workers:
-            self.procs.pop(n).wait()
+        for w in workers:
+            self.procs.pop(w).wait()
         self.epoch += 1
-        self.restarts[process] = self.restarts.get(process, 0) + 1
         log.warning(
             "%s; restarting the TP group as epoch %d (%d failures in the last %.0f s)",
             cause,
             self.epoch,
-            len(self.deaths),
+            n,
             self.args.crash_loop_window_s,
         )
-        self.to_sched.send(CONTROL_SCHED_CODEC.encode(WorkersRestarting(self.epoch, cause, process)))
+        notice = WorkersRestarting(self.epoch, cause, process, dict(self.restarts))
+        try:
+            self.to_sched.send(CONTROL_SCHED_CODEC.encode(notice), zmq.NOBLOCK)
+        except zmq.Again:
+            pass  # the scheduler is down too; its successor reads the epoch from the workers' READY
         self.restarting_since = now
         self.ready_ranks = set()
         self._spawn_workers(f"tcp://127.0.0.1:{free_tcp_port()}")  # a fresh rendezvous for the new group

@@ -24,6 +24,7 @@ from gpu_worker.lora_weights import module_dims, read_adapter, shard_range
 from gpu_worker.tp_plan import ShardPlan
 from ipc.config import ServerArgs
 from ipc.lora_config import LLAMA_LORA_MODULES, adapter_content_hash, read_adapter_config
+from ipc.messages import AdapterState
 from ipc.model_config import ModelConfig
 
 # fused base projections -> (sub-module, index of its block in the fused output)
@@ -48,6 +49,7 @@ class HostAdapter:
     pinned: bool
     ranks: dict[tuple[int, str], int]
     content_hash: str = ""
+    path: str = ""
 
 
 class LoraPool:
@@ -102,6 +104,10 @@ class LoraPool:
         """uids in this rank's host tier, sorted."""
         return sorted(self.host)
 
+    def host_adapters(self) -> list[AdapterState]:
+        """The host tier's adapters (uid, name, path, pinned, content hash), sorted by uid."""
+        return [AdapterState(a.uid, a.name, a.path, a.pinned, a.content_hash) for _, a in sorted(self.host.items())]
+
     def load(self, uid: str, name: str, path: str, pinned: bool = False, expect_hash: str = "") -> str:
         """Validate and read an adapter into the host tier (a pinned one also takes a slot now).
 
@@ -136,7 +142,7 @@ class LoraPool:
             self.cache.drop_uid(uid)
             raise
         ranks = {k: a.shape[0] for k, (a, _) in weights.items()}
-        self.host[uid] = HostAdapter(uid, name, pinned, ranks, content_hash)
+        self.host[uid] = HostAdapter(uid, name, pinned, ranks, content_hash, str(path))
         if pinned:
             self._ensure_slot(uid, protected=())
         return content_hash

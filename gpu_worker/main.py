@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import traceback
 from datetime import timedelta
 
@@ -16,13 +17,14 @@ from ipc.codec import Codec, WireError
 from ipc.messages import (
     ForwardBatch,
     FromWorkerMsg,
+    SchedulerHello,
     StepResult,
     ToWorkerMsg,
     WorkerLoraLoad,
     WorkerLoraUnload,
     WorkerShutdown,
 )
-from ipc.proc import StopRequested, begin_cleanup, child_setup
+from ipc.proc import StopRequested, begin_cleanup, child_setup, set_parent_death_signal
 from ipc.sockets import failed, make_socket, ready
 
 log = logging.getLogger("gpu_worker")
@@ -42,6 +44,9 @@ def init_distributed(init_method: str, rank: int, world: int, device: torch.devi
 def main() -> None:
     """Entry point: ``python -m gpu_worker.main --config-file F --rank N``."""
     args, ns = child_setup("gpu_worker")
+    # a rank may be blocked in a collective, where no Python signal handler runs: if the launcher dies, the
+    # kernel kills the rank outright (it owns no socket file; the scheduler and tokenizer clean those up)
+    set_parent_death_signal(signal.SIGKILL)
     rank = ns.rank
     name = f"gpu_worker[{rank}]"
     ctx = zmq.Context()
@@ -96,6 +101,9 @@ def main() -> None:
                 reply = worker.load_lora(msg)
             elif isinstance(msg, WorkerLoraUnload):
                 reply = worker.unload_lora(msg)
+            elif isinstance(msg, SchedulerHello):  # a restarted scheduler: register again (KV contents are void)
+                log.info("scheduler %s asks to register; sending READY", msg.incarnation[:12])
+                reply = worker.ready()
             elif isinstance(msg, WorkerShutdown):
                 break
             sock.send(out_codec.encode(reply))

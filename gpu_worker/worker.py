@@ -110,6 +110,7 @@ class Worker:
             kv_capacity_tokens=self.kv.num_slots,
             loaded_uids=[] if self.lora is None else self.lora.host_uids(),
             epoch=self.epoch,
+            adapters=[] if self.lora is None else self.lora.host_adapters(),
         )
 
     def build_inputs(self, fb: ForwardBatch) -> StepInputs:

@@ -57,6 +57,16 @@ class MetaInfo(msgspec.Struct):
     lora_path: str | None = None
 
 
+class AdapterState(msgspec.Struct, array_like=True):
+    """An adapter as the workers hold it: enough to rebuild a registry or restore it under the same uid."""
+
+    uid: str
+    name: str
+    path: str
+    pinned: bool
+    content_hash: str
+
+
 class AdapterInfo(msgspec.Struct):
     """One adapter as the registry and worker pools see it (for ``adapters.py list``)."""
 
@@ -152,13 +162,20 @@ ServerMsg = Union[GenerateOut, ErrorOut, AdminOut, LoraListOut]
 
 
 class TokenizedReq(msgspec.Struct, tag=True):
-    """A validated, tokenized request. ``lora_uid`` is the registry's uid (None = base model)."""
+    """A validated, tokenized request. ``lora_uid`` is the registry's uid (None = base model).
+
+    A request resubmitted after a scheduler restart has ``resume=True`` and carries the ``output_ids`` its
+    client already received: the scheduler prefills prompt + those and continues after them (a resubmission of
+    a rid the scheduler already holds is ignored).
+    """
 
     rid: str
     input_ids: list[int]
     sampling: SamplingParams
     lora_uid: str | None = None
     stream: bool = False
+    output_ids: list[int] = []
+    resume: bool = False
 
 
 class AbortRid(msgspec.Struct, tag=True):
@@ -169,13 +186,18 @@ class AbortRid(msgspec.Struct, tag=True):
 
 
 class LoraLoadCmd(msgspec.Struct, tag=True):
-    """Load adapter ``uid`` on every TP rank; all succeed or all roll back."""
+    """Load adapter ``uid`` on every TP rank; all succeed or all roll back.
+
+    ``content_hash`` is set when the registry restores an adapter it already knows under the same uid (after
+    a restart): ranks refuse files whose content changed since the first load.
+    """
 
     op_id: int
     uid: str
     name: str
     path: str
     pinned: bool = False
+    content_hash: str = ""
 
 
 class LoraUnloadCmd(msgspec.Struct, tag=True):
@@ -189,6 +211,13 @@ class LoraSlotsQuery(msgspec.Struct, tag=True):
     """Ask the scheduler for each rank's uid -> slot table (for ``adapters.py list``)."""
 
     op_id: int
+
+
+class FrontDoorHello(msgspec.Struct, tag=True):
+    """A tokenizer_proc (re)started as ``incarnation``: the scheduler aborts the requests of any earlier front
+    door (nobody can receive their output) and answers with a :class:`ClusterView`."""
+
+    incarnation: str
 
 
 class ShutdownCmd(msgspec.Struct, tag=True):
@@ -205,10 +234,18 @@ class WorkersRestarting(msgspec.Struct, tag=True):
     epoch: int
     cause: str
     process: str = "gpu_worker"  # e.g. "gpu_worker[1]" (died) or "gpu_worker" (the group hung)
+    restarts: dict[str, int] = {}  # the launcher's restart count per process
 
 
 ToSchedulerMsg = Union[
-    TokenizedReq, AbortRid, LoraLoadCmd, LoraUnloadCmd, LoraSlotsQuery, ShutdownCmd, WorkersRestarting
+    TokenizedReq,
+    AbortRid,
+    LoraLoadCmd,
+    LoraUnloadCmd,
+    LoraSlotsQuery,
+    ShutdownCmd,
+    WorkersRestarting,
+    FrontDoorHello,
 ]
 
 # ----------------------------------------------------------------------------- scheduler -> tokenizer_proc
@@ -266,12 +303,25 @@ class ClusterEvent(msgspec.Struct, tag=True):
     message: str
     epoch: int = 0
     process: str = ""  # the process whose death or hang caused a restart, e.g. "gpu_worker[1]"
+    restarts: dict[str, int] = {}  # the launcher's restart count per process
     resumed: int = 0
     restored: list[str] = []
     lost: list[LostAdapter] = []
 
 
-ToTokenizerMsg = Union[BatchTokenOut, LoraOpResult, ClusterEvent]
+class ClusterView(msgspec.Struct, tag=True):
+    """Scheduler -> tokenizer: the adapters every worker rank holds, sent when a scheduler ``incarnation``
+    starts (a new incarnation means a scheduler restart: the front door resubmits its pending requests and
+    LoRA commands) and in answer to :class:`FrontDoorHello`. ``restarts`` is the launcher's restart count per
+    process."""
+
+    scheduler_incarnation: str
+    epoch: int
+    adapters: list[AdapterState] = []
+    restarts: dict[str, int] = {}
+
+
+ToTokenizerMsg = Union[BatchTokenOut, LoraOpResult, ClusterEvent, ClusterView]
 
 # ----------------------------------------------------------------------------- scheduler <-> gpu_worker
 
@@ -338,7 +388,13 @@ class WorkerShutdown(msgspec.Struct, tag=True):
     """Stop cleanly."""
 
 
-ToWorkerMsg = Union[ForwardBatch, WorkerLoraLoad, WorkerLoraUnload, WorkerShutdown]
+class SchedulerHello(msgspec.Struct, tag=True):
+    """A (re)started scheduler asks each rank to register again; the rank answers with its WorkerReady."""
+
+    incarnation: str
+
+
+ToWorkerMsg = Union[ForwardBatch, WorkerLoraLoad, WorkerLoraUnload, WorkerShutdown, SchedulerHello]
 
 
 class WorkerReady(msgspec.Struct, tag=True):
@@ -350,6 +406,7 @@ class WorkerReady(msgspec.Struct, tag=True):
     kv_capacity_tokens: int
     loaded_uids: list[str] = []
     epoch: int = 1
+    adapters: list[AdapterState] = []  # the host tier's adapters, sorted by uid (a scheduler restart reads them)
 
 
 class StepResult(msgspec.Struct, tag=True):

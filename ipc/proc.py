@@ -13,6 +13,15 @@ import msgspec
 
 from ipc.config import ServerArgs
 
+# the launcher that started this process (set by child_setup): once the parent differs (re-parented to init or
+# to a subreaper such as `docker --init`), the launcher is dead
+_launcher_pid: int | None = None
+
+
+def launcher_gone() -> bool:
+    """Whether the launcher that started this process has died."""
+    return _launcher_pid is not None and os.getppid() != _launcher_pid
+
 
 class StopRequested(BaseException):
     """Raised in the main loop when SIGTERM arrives (a BaseException so ``except Exception`` never eats it)."""
@@ -29,11 +38,15 @@ def child_setup(name: str) -> tuple[ServerArgs, argparse.Namespace]:
     launcher, not the terminal, decides when children stop. On Linux the child also asks the kernel for
     SIGTERM if the launcher dies, so a killed launcher never leaves orphans.
     """
+    global _launcher_pid
+    _launcher_pid = os.getppid()
     p = argparse.ArgumentParser(prog=name)
     p.add_argument("--config-file", required=True)
     p.add_argument("--rank", type=int, default=0)
     p.add_argument("--epoch", type=int, default=1, help="TP group epoch (gpu_worker; +1 at every group restart)")
     p.add_argument("--dist-init", default="", help="torch.distributed rendezvous of this epoch (gpu_worker)")
+    p.add_argument("--incarnation", type=int, default=1, help="1 at the first start, +1 at every restart")
+    p.add_argument("--restarts", default="{}", help="JSON: the launcher's restart count per process")
     ns = p.parse_args()
     with open(ns.config_file, "rb") as f:
         args = msgspec.json.decode(f.read(), type=ServerArgs)
@@ -53,7 +66,7 @@ def begin_cleanup(args: ServerArgs) -> None:
     stopping, e.g. after a ShutdownCmd) and, if the launcher is gone (killed with SIGKILL), remove the
     socket folder and the front socket file it can no longer remove itself."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    if os.getppid() == 1:
+    if launcher_gone():
         import shutil
 
         shutil.rmtree(args.endpoints.socket_dir, ignore_errors=True)
@@ -65,14 +78,15 @@ def begin_cleanup(args: ServerArgs) -> None:
                 pass
 
 
-def set_parent_death_signal() -> None:
-    """Ask Linux to send SIGTERM when the parent dies (no-op elsewhere)."""
+def set_parent_death_signal(sig: int = signal.SIGTERM) -> None:
+    """Ask Linux to send ``sig`` when the parent (the launcher) dies (no-op elsewhere)."""
     if not sys.platform.startswith("linux"):
         return
+    parent = _launcher_pid if _launcher_pid is not None else os.getppid()
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-        if os.getppid() == 1:  # parent already gone before prctl took effect
-            os.kill(os.getpid(), signal.SIGTERM)
+        libc.prctl(1, int(sig))  # PR_SET_PDEATHSIG
+        if os.getppid() != parent:  # parent already gone before prctl took effect
+            os.kill(os.getpid(), sig)
     except OSError:
         pass

@@ -80,7 +80,7 @@ class LoraOps:
             if isinstance(c, LoraLoadCmd):
                 if c.pinned and not can_pin():
                     continue
-                out.append(WorkerLoraLoad(c.op_id, c.uid, c.name, c.path, c.pinned))
+                out.append(WorkerLoraLoad(c.op_id, c.uid, c.name, c.path, c.pinned, content_hash=c.content_hash))
             elif not in_use(c.uid):
                 out.append(WorkerLoraUnload(c.op_id, c.uid))
             else:
@@ -95,6 +95,10 @@ class LoraOps:
             if op.sent and now - op.sent_at > timeout_s:
                 return op_id
         return None
+
+    def loading(self) -> set[str]:
+        """uids with a load under way."""
+        return {op.cmd.uid for op in self.pending.values() if isinstance(op.cmd, LoraLoadCmd)}
 
     def pending_pins(self) -> set[str]:
         """uids of pinned loads not yet answered by every rank."""

@@ -6,9 +6,11 @@ once every rank has answered (rank 0's tokens are used; the others' slot digests
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 import traceback
+import uuid
 
 import zmq
 from tokenizers import Tokenizer
@@ -18,15 +20,19 @@ from ipc.config import ServerArgs
 from ipc.lora_config import never_loaded_message
 from ipc.messages import (
     AbortRid,
+    AdapterState,
     BatchTokenOut,
     ClusterEvent,
+    ClusterView,
     FromWorkerMsg,
+    FrontDoorHello,
     LoraLoadCmd,
     LoraOpAck,
     LoraOpResult,
     LoraSlotsQuery,
     LoraUnloadCmd,
     RestartWorkers,
+    SchedulerHello,
     ShutdownCmd,
     StepResult,
     TokenizedReq,
@@ -40,7 +46,7 @@ from ipc.messages import (
 from ipc.model_config import load_model_config
 from ipc.proc import StopRequested, begin_cleanup, child_setup
 from ipc.sockets import CONTROL_CODEC, failed, make_socket, ready
-from scheduler_proc.lora_ops import LoraOps
+from scheduler_proc.lora_ops import LoadedAdapter, LoraOps
 from scheduler_proc.recovery import GroupRecovery, RestoreOutcome
 from scheduler_proc.scheduler import Scheduler
 
@@ -71,7 +77,7 @@ STEP_TIMEOUT_PER_TOKEN_S = 0.02
 class SchedulerLoop:
     """Sockets + the :class:`Scheduler`; ``run`` returns when asked to shut down."""
 
-    def __init__(self, args: ServerArgs, ctx: zmq.Context) -> None:
+    def __init__(self, args: ServerArgs, ctx: zmq.Context, restarts: dict[str, int] | None = None) -> None:
         self.args = args
         ep = args.endpoints
         self.from_front = make_socket(ctx, zmq.PULL, ep.to_scheduler, bind=True)
@@ -89,26 +95,61 @@ class SchedulerLoop:
         self.ready: dict[int, WorkerReady] = {}
         self.results: dict[int, StepResult] = {}
         self.step_started = 0.0
+        self.step_no = 0
         self.step_deadline_s = 0.0
         self.sched: Scheduler | None = None
         self.in_flight = False
         self.last_tables: dict[int, dict[str, int]] = {}
         self.resumed = 0
+        self.incarnation = uuid.uuid4().hex
+        self.front_incarnation: str | None = None
+        self.restarts: dict[str, int] = dict(restarts or {})
 
     # ------------------------------------------------------------------ start-up
     def wait_for_workers(self) -> None:
-        """Block until every rank said READY (or raise TimeoutError naming the missing ranks)."""
-        deadline = time.monotonic() + self.args.ready_timeout_s
-        while len(self.ready) < self.args.tp_size:
-            if time.monotonic() > deadline:
-                missing = sorted(set(range(self.args.tp_size)) - set(self.ready))
+        """Block until every rank of the newest TP group epoch said READY, then rebuild the adapter table from
+        what the ranks hold (a restarted scheduler starts empty; the workers kept their adapters).
+
+        Ranks that were up before this scheduler register again when asked (``SchedulerHello``). If some ranks
+        answer and others stay silent for ``--step-timeout`` (e.g. stuck in a collective that the dead
+        scheduler's last plan started on only some ranks), the launcher is asked to replace the group.
+
+        Raises:
+            TimeoutError: naming the ranks that did not report READY within ``--ready-timeout``.
+        """
+        start = time.monotonic()
+        deadline = start + self.args.ready_timeout_s
+        hello = self.worker_out.encode(SchedulerHello(self.incarnation))
+        asked_restart = 0
+        last_hello = 0.0
+        while True:
+            epoch = max((r.epoch for r in self.ready.values()), default=0)
+            current = {k: r for k, r in self.ready.items() if r.epoch == epoch}
+            if len(current) == self.args.tp_size:
+                break
+            now = time.monotonic()
+            if now > deadline:
+                missing = sorted(set(range(self.args.tp_size)) - set(current))
                 raise TimeoutError(f"workers {missing} did not report READY in {self.args.ready_timeout_s} s")
-            if self.workers.poll(500):
+            if now - last_hello > 0.5:
+                last_hello = now
+                for r in set(range(self.args.tp_size)) - set(current):
+                    try:
+                        self.workers.send_multipart([f"rank-{r}".encode(), hello], zmq.NOBLOCK)
+                    except zmq.ZMQError:
+                        pass  # not connected (yet): it sends READY by itself when it starts
+            if current and now - start > self.args.step_timeout_s and asked_restart < epoch:
+                asked_restart = epoch
+                self._ask_launcher(epoch, f"ranks {sorted(set(range(self.args.tp_size)) - set(current))} silent")
+            if self.workers.poll(200):
                 _, frame = self.workers.recv_multipart()
-                msg = self.worker_in.decode(frame)
-                if isinstance(msg, WorkerReady):
+                try:
+                    msg = self.worker_in.decode(frame)
+                except WireError:
+                    continue
+                if isinstance(msg, WorkerReady):  # results of a dead scheduler's plans arrive first: skipped
                     self.ready[msg.rank] = msg
-        self.recovery.epoch = max(r.epoch for r in self.ready.values())
+        self.ready = current
         cfg = load_model_config(self.args.model_path)
         tok = Tokenizer.from_file(f"{self.args.model_path}/tokenizer.json")
         capacity = min(r.kv_capacity_tokens for r in self.ready.values())
@@ -120,7 +161,25 @@ class SchedulerLoop:
             detokenize=lambda ids: tok.decode(ids, skip_special_tokens=True),
             max_loras_per_batch=self.args.max_loras_per_batch,
         )
-        self.sched.loaded_uids = set()
+        # the adapters any rank holds; a rank lacking one of them gets it restored (same uid, content hash)
+        for rank in sorted(self.ready):
+            for a in self.ready[rank].adapters:
+                self.ops.loaded.setdefault(a.uid, LoadedAdapter(a.uid, a.name, a.path, a.pinned, a.content_hash))
+        self.recovery.epoch = epoch
+        self.recovery.phase = "waiting"
+        for rank in sorted(self.ready):
+            complete, loads = self.recovery.on_ready(self.ready[rank], self.ops.loaded, self.ops.next_internal_id)
+            for m in loads:
+                self._broadcast(m)
+        self._sync_pins()
+        self._send_view()
+
+    def _send_view(self) -> None:
+        """Tell the front door which adapters the workers hold (and that this scheduler incarnation is up)."""
+        adapters = [AdapterState(a.uid, a.name, a.path, a.pinned, a.content_hash) for a in self.ops.loaded.values()]
+        self._to_front(
+            ClusterView(self.incarnation, self.recovery.epoch, sorted(adapters, key=lambda a: a.uid), self.restarts)
+        )
 
     # ------------------------------------------------------------------ sending
     def _to_front(self, msg: object) -> None:
@@ -153,14 +212,24 @@ class SchedulerLoop:
             self._emit(s.abort(msg.rid, msg.reason))
         elif isinstance(msg, LoraLoadCmd):
             self.ops.start(msg)
-            s.reserved_pins = self.ops.pending_pins()
+            self._sync_pins()
         elif isinstance(msg, LoraUnloadCmd):
             s.blocked_uids.add(msg.uid)
             self.ops.start(msg)
         elif isinstance(msg, LoraSlotsQuery):
             self._to_front(LoraOpResult(msg.op_id, True, slots=self._slot_tables()))
         elif isinstance(msg, WorkersRestarting):
+            for proc, n in msg.restarts.items():
+                self.restarts[proc] = max(n, self.restarts.get(proc, 0))
             self._group_lost(msg.epoch, msg.cause, msg.process)
+        elif isinstance(msg, FrontDoorHello):
+            if msg.incarnation != self.front_incarnation:
+                n = s.drop_all()  # the requests of an earlier front door: nobody can receive their output
+                self.in_flight, self.results = False, {}  # the step in flight is void (its result is dropped)
+                if n:
+                    log.warning("front door %s (re)started: dropped %d requests of the one before", msg.incarnation, n)
+                self.front_incarnation = msg.incarnation
+            self._send_view()
         elif isinstance(msg, ShutdownCmd):
             return False
         return True
@@ -186,8 +255,8 @@ class SchedulerLoop:
             log.info("dropping %s of replaced TP group epoch %d", type(msg).__name__, msg.epoch)
             return
         if isinstance(msg, StepResult):
-            if not self.in_flight:
-                return
+            if not self.in_flight or msg.step != self.step_no:
+                return  # the result of a step that was voided (its requests were requeued or dropped)
             self.results[msg.rank] = msg
             if len(self.results) == self.args.tp_size:
                 self._finish_step()
@@ -197,13 +266,16 @@ class SchedulerLoop:
                 if outcome is not None:
                     self._finish_recovery(outcome)
                 return
+            op = self.ops.pending.get(msg.op_id)
             result, rollback = self.ops.on_ack(msg)
             for m in rollback:
                 self._broadcast(m)
             if result is not None:
-                if isinstance(result, LoraOpResult) and result.ok:
-                    self._sync_pins()
-                self.sched.reserved_pins = self.ops.pending_pins()
+                self._sync_pins()
+                if not result.ok and op is not None and isinstance(op.cmd, LoraLoadCmd) and op.cmd.content_hash:
+                    # a restore the registry asked for failed: the adapter is gone, its queued requests too
+                    names = [a.name for a in self.ops.loaded.values()]
+                    self._emit(self.sched.fail_adapter(op.cmd.uid, never_loaded_message(op.cmd.name, names)))
                 self._to_front(result)
 
     # ------------------------------------------------------------------ TP group replacement
@@ -217,16 +289,21 @@ class SchedulerLoop:
         self.resumed += n
         self.ops.resend_all()
         log.warning("TP group replaced by epoch %d (%s); %d running requests will resume", epoch, cause, n)
-        self._to_front(ClusterEvent("workers_restarting", cause, epoch=epoch, process=process))
+        ev = ClusterEvent("workers_restarting", cause, epoch=epoch, process=process, restarts=dict(self.restarts))
+        self._to_front(ev)
+
+    def _ask_launcher(self, epoch: int, reason: str) -> None:
+        log.error("TP group epoch %d is hung (%s); asking the launcher to replace it", epoch, reason)
+        try:
+            self.control.send(CONTROL_CODEC.encode(RestartWorkers(epoch, reason)), zmq.NOBLOCK)
+        except zmq.ZMQError as e:
+            log.error("cannot reach the launcher: %s", e)
 
     def _request_restart(self, reason: str) -> None:
         """The group is hung: ask the launcher to replace it, and stop waiting for it at once."""
         old = self.recovery.epoch
-        log.error("TP group epoch %d is hung (%s); asking the launcher to replace it", old, reason)
-        try:
-            self.control.send(CONTROL_CODEC.encode(RestartWorkers(old, reason)), zmq.NOBLOCK)
-        except zmq.ZMQError as e:
-            log.error("cannot reach the launcher: %s", e)
+        self._ask_launcher(old, reason)
+        self.restarts["gpu_worker"] = self.restarts.get("gpu_worker", 0) + 1  # as the launcher will count it
         self._group_lost(old + 1, reason, "gpu_worker")
 
     def _on_ready(self, msg: WorkerReady) -> None:
@@ -280,6 +357,8 @@ class SchedulerLoop:
         s = self.sched
         s.pinned_uids = {u for u, p in self.ops.pinned.items() if p}
         s.loaded_uids = set(self.ops.loaded)
+        s.loading_uids = self.ops.loading()
+        s.reserved_pins = self.ops.pending_pins()
         s.blocked_uids &= set(self.ops.loaded) | {
             c.cmd.uid for c in self.ops.pending.values() if isinstance(c.cmd, LoraUnloadCmd)
         }
@@ -325,7 +404,7 @@ class SchedulerLoop:
                 fb = self.sched.next_batch()
                 if fb is not None:
                     self._broadcast(fb)
-                    self.in_flight = True
+                    self.in_flight, self.step_no = True, fb.step
                     self.step_started = time.monotonic()
                     tokens = sum(len(r.input_ids) for r in fb.reqs)
                     self.step_deadline_s = self.args.step_timeout_s + STEP_TIMEOUT_PER_TOKEN_S * tokens
@@ -351,11 +430,11 @@ class SchedulerLoop:
 
 def main() -> None:
     """Entry point: ``python -m scheduler_proc.main --config-file F``."""
-    args, _ = child_setup("scheduler")
+    args, ns = child_setup("scheduler")
     ctx = zmq.Context()
     loop = None
     try:
-        loop = SchedulerLoop(args, ctx)
+        loop = SchedulerLoop(args, ctx, json.loads(ns.restarts))
         loop.wait_for_workers()
         ready(
             ctx,

@@ -88,6 +88,8 @@ class Scheduler:
         self.loaded_uids: set[str] | None = None
         # adapters a worker restart could not restore: uid -> the never-been-loaded error for their requests
         self.lost_uids: dict[str, str] = {}
+        # adapters with a load (a restore) under way: their requests wait in the queue until it finishes
+        self.loading_uids: set[str] = set()
         self._arrivals = 0
         self._step = 0
         self._in_flight: list[Req] | None = None
@@ -99,7 +101,10 @@ class Scheduler:
         n = len(msg.input_ids)
         need = n + sp.max_new_tokens
         err, kind = None, "bad_request"
-        if msg.rid in self.running or any(r.rid == msg.rid for r in self.waiting):
+        known = msg.rid in self.running or any(r.rid == msg.rid for r in self.waiting)
+        if known and msg.resume:
+            return []  # resubmitted after a scheduler restart, but this scheduler already has it
+        if known:
             err = f"request id {msg.rid!r} is already in use"
         elif n == 0:
             err = "the prompt is empty"
@@ -114,7 +119,12 @@ class Scheduler:
             err = f"LoRA adapter {msg.lora_uid} is being unloaded"
         elif msg.lora_uid is not None and msg.lora_uid in self.lost_uids:
             err, kind = self.lost_uids[msg.lora_uid], "not_found"
-        elif msg.lora_uid is not None and self.loaded_uids is not None and msg.lora_uid not in self.loaded_uids:
+        elif (
+            msg.lora_uid is not None
+            and self.loaded_uids is not None
+            and msg.lora_uid not in self.loaded_uids
+            and msg.lora_uid not in self.loading_uids
+        ):
             err = f"LoRA adapter uid {msg.lora_uid} is not loaded on the workers (reload it)"
         if err is not None:
             return [TokenOut(msg.rid, [], n, 0, True, FinishReason("abort", message=err), error=err, error_kind=kind)]
@@ -129,6 +139,7 @@ class Scheduler:
                 stop_strs=sp.stop_strings(),
                 lora_uid=msg.lora_uid,
                 arrival=self._arrivals,
+                output_ids=list(msg.output_ids),
             )
         )
         self._arrivals += 1
@@ -174,6 +185,8 @@ class Scheduler:
             if len(self.running) + len(admitted) >= self.max_running:
                 break
             need = len(r.input_ids) + r.max_new_tokens  # covers a re-admission's produced tokens too
+            if r.lora_uid is not None and self.loaded_uids is not None and r.lora_uid not in self.loaded_uids:
+                continue  # its adapter is still being restored
             new_adapter = r.lora_uid is not None and r.lora_uid not in self.pinned_uids and r.lora_uid not in adapters
             fits = self.kv.can_reserve(need) and not (new_adapter and len(adapters) >= self._unpinned_slots())
             if not fits:
@@ -268,6 +281,13 @@ class Scheduler:
         self.running.clear()
         self.waiting.extendleft(reversed(back))
         return len(back)
+
+    def drop_all(self) -> int:
+        """Forget every request without a reply (their front door is gone); returns how many."""
+        n = len(self.running) + len(self.waiting)
+        self.requeue_running()
+        self.waiting.clear()
+        return n
 
     def fail_adapter(self, uid: str, message: str) -> list[TokenOut]:
         """Adapter ``uid`` is gone for good: end its waiting requests with ``message`` (kind ``not_found``) and

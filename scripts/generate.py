@@ -8,7 +8,9 @@ python scripts/generate.py --text "Hello" --lora my-adapter --json
 
 --stream prints the text as it is generated; --stream --json prints one JSON object per line, one per
 streamed chunk (each cumulative: the last line is the final result). Exit codes: 0 ok, 1 the server refused
-or failed the request, 2 bad flags.
+or failed the request or cannot be reached (nothing listening at --endpoint: within 3 s), 2 bad flags.
+If the connection drops mid-request and the server comes back within 30 s, a greedy or seeded request is
+resubmitted and a stream continues where it was (--retry / --no-retry override that choice).
 """
 
 from __future__ import annotations
@@ -54,6 +56,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--json", action="store_true", help="print the result as JSON (with --stream: one JSON line per chunk)"
     )
     p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for a reply (default %(default)s)")
+    p.add_argument(
+        "--retry",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="resubmit the request if the connection drops and the server comes back (default: only when "
+        "greedy or seeded, whose rerun gives the same tokens)",
+    )
     return p
 
 
@@ -99,7 +108,8 @@ def sampling_params(a: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Parse flags, send the request, print text (or JSON); exit 1 with the server's message on error."""
+    """Parse flags, send the request, print text (or JSON); exit 1 with the server's message on error (or the
+    endpoint when the server cannot be reached), 2 on bad flags."""
     a = build_parser().parse_args(argv)
     try:
         messages = parse_messages(a.messages_json) if a.messages_json is not None else None
@@ -113,13 +123,19 @@ def main(argv: list[str] | None = None) -> int:
     except zmq.ZMQError as e:
         print(f"error: --endpoint {a.endpoint!r} is not usable: {e}", file=sys.stderr)
         return 2
+    shown = 0
     with client as c:
         try:
             out = c.generate(
-                a.text, input_ids=input_ids, messages=messages, sampling_params=sp, stream=a.stream, lora_path=a.lora
+                a.text,
+                input_ids=input_ids,
+                messages=messages,
+                sampling_params=sp,
+                stream=a.stream,
+                lora_path=a.lora,
+                retry=a.retry,
             )
             if a.stream:
-                shown = 0
                 for chunk in out:
                     if a.json:
                         print(json.dumps(chunk), flush=True)
@@ -133,6 +149,8 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 print(out["text"])
         except LoomError as e:
+            if shown:
+                print(flush=True)  # end the partial streamed line before the error
             print(f"error ({e.kind}): {e.message}", file=sys.stderr)
             return 1
     return 0

@@ -39,13 +39,16 @@ SAMPLES = {
         m.LoraUnloadCmd(2, "uid"),
         m.LoraSlotsQuery(3),
         m.ShutdownCmd(),
-        m.WorkersRestarting(2, "gpu_worker[1] exited with code -9 (SIGKILL)", "gpu_worker[1]"),
+        m.WorkersRestarting(2, "gpu_worker[1] exited with code -9 (SIGKILL)", "gpu_worker[1]", {"gpu_worker[1]": 1}),
+        m.FrontDoorHello("abc"),
+        m.TokenizedReq("r", [1, 2], SP, None, False, [5, 6], True),
     ],
     "ToTokenizerMsg": [
         m.BatchTokenOut([m.TokenOut("r", [1], 3, 1), m.TokenOut("s", [2], 4, 5, True, m.FinishReason("length"))]),
         m.BatchTokenOut([m.TokenOut("r", [], 3, 0, True, m.FinishReason("abort", message="x"), error="x")]),
         m.LoraOpResult(1, False, "boom", {"uid": {"rank 0": 0, "rank 1": 0}}),
         m.ClusterEvent("workers_restarting", "gpu_worker[1] died", epoch=2, process="gpu_worker[1]"),
+        m.ClusterView("inc", 2, [m.AdapterState("u", "a", "/p", True, "ab" * 32)], {"scheduler_proc": 1}),
         m.ClusterEvent(
             "workers_recovered", "ok", epoch=2, resumed=3, restored=["a"], lost=[m.LostAdapter("u", "b", "gone")]
         ),
@@ -58,10 +61,11 @@ SAMPLES = {
         m.WorkerLoraLoad(-2, "uid", "a", "/p", True, content_hash="ab" * 32),
         m.WorkerLoraUnload(2, "uid", rollback=True),
         m.WorkerShutdown(),
+        m.SchedulerHello("inc"),
     ],
     "FromWorkerMsg": [
         m.WorkerReady(1, "inc", 4096, ["u"]),
-        m.WorkerReady(0, "inc", 4096, [], epoch=3),
+        m.WorkerReady(0, "inc", 4096, ["u"], epoch=3, adapters=[m.AdapterState("u", "a", "/p", False, "h")]),
         m.StepResult(3, 0, [5, 6], "digest", {"u": 0}),
         m.StepResult(3, 1, [], error="rank 1: boom"),
         m.LoraOpAck(1, 0, False, "bad"),

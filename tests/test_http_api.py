@@ -27,6 +27,7 @@ from types import SimpleNamespace
 import pytest
 
 from ipc.messages import AdminOut, ErrorOut, FinishReason, GenerateOut, GenerateReq, MetaInfo
+from tokenizer_proc.front_door import ClusterHealth
 from tokenizer_proc.http_api import HttpApi, HttpSink, start_http
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -410,6 +411,7 @@ class FakeDoor:
         self.pending: dict[str, object] = {}
         self.sinks: list[HttpSink] = []
         self.aborted: list[str] = []
+        self.health = ClusterHealth()
 
     async def generate(self, req: GenerateReq, sink: HttpSink) -> None:
         loop = asyncio.get_running_loop()
@@ -514,3 +516,13 @@ def test_fake_shutdown_answers_requests_in_flight(fake: Fake) -> None:
     assert r.status == 500 and json.loads(r.read())["error"]["message"] == "server shutting down"
     rest = read_events(stream)
     assert rest == ['{"error":{"message":"server shutting down","kind":"server_error"}}', "[DONE]"], rest
+
+
+def test_fake_health_is_503_while_the_tp_group_restarts(fake: Fake) -> None:
+    api, door, _ = fake
+    assert call_json(api.port, "GET", "/health") == (200, {"status": "ok"})
+    door.health.unavailable = "TP group restarting (epoch 2): gpu_worker[1] exited with code -9 (SIGKILL)"
+    status, body = call_json(api.port, "GET", "/health")
+    assert status == 503 and body == {"status": "unavailable", "reason": door.health.unavailable}
+    door.health.unavailable = None
+    assert call_json(api.port, "GET", "/health")[0] == 200

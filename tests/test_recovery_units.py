@@ -188,7 +188,8 @@ def test_front_door_health_metrics_and_registry_follow_cluster_events(model_path
     for name, uid in (("a", "ua"), ("b", "ub")):
         door.registry.loaded[name] = _entry(name, uid)
         door.registry.refs[name] = (f"/x/{name}", False)
-    door.on_cluster_event(ClusterEvent("workers_restarting", "gpu_worker[1] died", epoch=2, process="gpu_worker[1]"))
+    ev = ClusterEvent("workers_restarting", "died", epoch=2, process="gpu_worker[1]", restarts={"gpu_worker[1]": 1})
+    door.on_cluster_event(ev)
     assert "restarting" in door.health.unavailable
     lost = [LostAdapter("ub", "b", "folder gone")]
     door.on_cluster_event(ClusterEvent("workers_recovered", "ok", epoch=2, resumed=3, restored=["a"], lost=lost))

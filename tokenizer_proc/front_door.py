@@ -12,13 +12,18 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
+import msgspec
+
 from ipc.config import ServerArgs
+from ipc.lora_config import LoraConfigError, adapter_content_hash
 from ipc.messages import (
     AbortRid,
     AdapterInfo,
+    AdapterState,
     AdminOut,
     BatchTokenOut,
     ClusterEvent,
+    ClusterView,
     ErrorOut,
     GenerateOut,
     GenerateReq,
@@ -64,6 +69,11 @@ class ClusterHealth:
     resumed: int = 0  # running requests re-admitted after a TP group restart
     adapters_lost: int = 0  # adapters a restart could not restore
 
+    def merge_restarts(self, counts: dict[str, int]) -> None:
+        """Take the launcher's restart counts (from whichever process forwards them; never go back)."""
+        for proc, n in counts.items():
+            self.restarts[proc] = max(n, self.restarts.get(proc, 0))
+
 
 @dataclass
 class Pending:
@@ -76,6 +86,8 @@ class Pending:
     text: IncrementalText
     prompt_tokens: int
     lora_name: str | None
+    req: TokenizedReq  # what was sent, kept to resubmit it after a scheduler restart
+    aborted: bool = False
 
 
 class FrontDoor:
@@ -96,6 +108,9 @@ class FrontDoor:
         self.pending: dict[str, Pending] = {}
         self.by_client: dict[tuple[int, str], str] = {}
         self._ops: dict[int, asyncio.Future] = {}
+        self._op_cmds: dict[int, object] = {}
+        self.sched_incarnation: str | None = None
+        self.synced = asyncio.Event()  # set by the first ClusterView: the registry agrees with the workers
         self._op_ids = itertools.count(1)
         self._reloads: dict[str, asyncio.Future] = {}
         self.health = ClusterHealth()
@@ -143,30 +158,41 @@ class FrontDoor:
             sink.send(ErrorOut(client_rid, str(e), "server_error"))
             return
         rid = uuid.uuid4().hex
+        msg = TokenizedReq(rid, ids, req.sampling_params, uid, req.stream)
         self.pending[rid] = Pending(
-            rid, client_rid, sink, req.stream, IncrementalText(self.codec), len(ids), req.lora_path
+            rid, client_rid, sink, req.stream, IncrementalText(self.codec), len(ids), req.lora_path, msg
         )
         self.by_client[(id(sink), client_rid)] = rid
-        self.send(TokenizedReq(rid, ids, req.sampling_params, uid, req.stream))
+        self.send(msg)
 
     def abort(self, sink: Sink, client_rid: str, reason: str = "aborted by client") -> None:
         """Abort a request of this client (unknown ids are ignored)."""
         rid = self.by_client.get((id(sink), client_rid))
         if rid is not None:
+            self.pending[rid].aborted = True
             self.send(AbortRid(rid, reason))
 
     def abort_sink(self, sink: Sink, reason: str) -> None:
         """Abort every request whose replies go to ``sink`` (its client went away)."""
         for p in list(self.pending.values()):
             if p.sink is sink:
+                p.aborted = True
                 self.send(AbortRid(p.rid, reason))
 
     def on_tokens(self, msg: BatchTokenOut) -> None:
         """Route one scheduler step's output to the clients."""
         for item in msg.items:
             p = self.pending.get(item.rid)
-            if p is not None:
-                self._deliver(p, item)
+            if p is None:
+                continue
+            # tokens are positioned (completion_tokens counts them all): after a scheduler restart a late
+            # message of the old scheduler may repeat tokens the client already has; deliver each token once
+            start = item.completion_tokens - len(item.new_ids)
+            if start < len(p.text.ids) and item.new_ids:
+                item = msgspec.structs.replace(item, new_ids=item.new_ids[len(p.text.ids) - start :])
+                if not item.new_ids and not item.finished:
+                    continue
+            self._deliver(p, item)
 
     def _deliver(self, p: Pending, item: TokenOut) -> None:
         if not (p.stream or item.finished or item.error):
@@ -199,17 +225,28 @@ class FrontDoor:
         self.by_client.clear()
 
     # ------------------------------------------------------------------ LoRA registry
-    async def _op(self, cmd_factory: Callable[[int], object]) -> LoraOpResult:
+    def _start_op(self, cmd_factory: Callable[[int], object]) -> tuple[int, asyncio.Future]:
+        """Send a LoRA command now; its result arrives on the returned future. Kept until answered, so a
+        scheduler restart resends it."""
         op_id = next(self._op_ids)
         fut = asyncio.get_running_loop().create_future()
+        cmd = cmd_factory(op_id)
         self._ops[op_id] = fut
-        self.send(cmd_factory(op_id))
+        self._op_cmds[op_id] = cmd
+        self.send(cmd)
+        return op_id, fut
+
+    async def _wait_op(self, op_id: int, fut: asyncio.Future) -> LoraOpResult:
         try:
             return await asyncio.wait_for(fut, LORA_OP_TIMEOUT_S)
         except asyncio.TimeoutError:
             raise RuntimeError(f"LoRA operation {op_id} got no answer in {LORA_OP_TIMEOUT_S} s") from None
         finally:
             self._ops.pop(op_id, None)
+            self._op_cmds.pop(op_id, None)
+
+    async def _op(self, cmd_factory: Callable[[int], object]) -> LoraOpResult:
+        return await self._wait_op(*self._start_op(cmd_factory))
 
     def on_op_result(self, msg: LoraOpResult) -> None:
         """Complete the waiting load/unload/list call."""
@@ -231,7 +268,7 @@ class FrontDoor:
         res = await self._op(lambda op: LoraLoadCmd(op, uid, name, resolved, pinned))
         if not res.ok:
             raise AdapterRefused(f"LoRA adapter {name} failed to load: {res.error}")
-        e = self.registry.add(name, uid, resolved, pinned)
+        e = self.registry.add(name, uid, resolved, pinned, res.content_hash)
         return AdminOut(True, f"loaded {name}", {"uid": e.uid, "rank": e.rank})
 
     async def _unload_uid(self, name: str, uid: str, forget: bool) -> None:
@@ -282,7 +319,7 @@ class FrontDoor:
         h = self.health
         if ev.kind == "workers_restarting":
             h.unavailable = f"TP group restarting (epoch {ev.epoch}): {ev.message}"
-            h.restarts[ev.process or "gpu_worker"] = h.restarts.get(ev.process or "gpu_worker", 0) + 1
+            h.merge_restarts(ev.restarts)
             log.warning("%s; requests wait in the queue", h.unavailable)
         elif ev.kind == "workers_recovered":
             h.unavailable = None
@@ -298,3 +335,80 @@ class FrontDoor:
             log.error("cluster error: %s", ev.message)
             h.unavailable = ev.message
             self.fail_all(ev.message)
+
+    # ------------------------------------------------------------------ restarts: one view of the adapters
+    def on_cluster_view(self, view: ClusterView) -> None:
+        """Reconcile the registry with the adapters the workers hold, and resubmit after a scheduler restart.
+
+        - An adapter the workers hold but the registry lacks (this front door restarted and rebuilds its
+          registry) is adopted if its files still hold the same content; otherwise it is unloaded and reported.
+        - An adapter the registry holds but the workers lack is restored under the same uid (the ranks check
+          the content hash); if that fails it is removed, and its requests fail as never loaded.
+        - A new scheduler incarnation lost every request and LoRA command in flight: resubmit them, each
+          request with the tokens its client already has, so it continues where it stopped.
+        """
+        self.health.merge_restarts(view.restarts)
+        restarted = self.sched_incarnation is not None and view.scheduler_incarnation != self.sched_incarnation
+        self.sched_incarnation = view.scheduler_incarnation
+        held = {a.uid for a in view.adapters}
+        known = {e.uid for e in self.registry.loaded.values()}
+        for a in view.adapters:
+            if a.uid not in known:
+                self._adopt(a)
+        restores = []
+        for e in list(self.registry.loaded.values()):
+            if e.uid not in held:
+                log.warning("LoRA registry out of sync: the workers lack %s (uid %s); restoring it", e.name, e.uid)
+                restores.append((e, self._start_op(lambda op, e=e: self._restore_cmd(op, e))))
+        if restarted:
+            for p in list(self.pending.values()):
+                r = p.req
+                self.send(TokenizedReq(r.rid, r.input_ids, r.sampling, r.lora_uid, r.stream, list(p.text.ids), True))
+                if p.aborted:
+                    self.send(AbortRid(p.rid, "aborted by client"))
+            for op_id, cmd in sorted(self._op_cmds.items()):
+                if all(op_id != x[1][0] for x in restores):
+                    self.send(cmd)
+            log.warning(
+                "scheduler restarted: resubmitted %d requests and %d LoRA commands",
+                len(self.pending),
+                len(self._op_cmds),
+            )
+        for e, (op_id, fut) in restores:
+            asyncio.ensure_future(self._finish_restore(e, op_id, fut))
+        self.synced.set()
+
+    @staticmethod
+    def _restore_cmd(op_id: int, e) -> LoraLoadCmd:
+        return LoraLoadCmd(op_id, e.uid, e.name, e.path, e.pinned, e.content_hash)
+
+    def _adopt(self, a: AdapterState) -> None:
+        reason = None
+        try:
+            if adapter_content_hash(a.path, a.name) != a.content_hash:
+                reason = f"the files in {a.path} changed since it was loaded"
+            elif a.name in self.registry.loaded:
+                reason = f"the name {a.name} belongs to uid {self.registry.loaded[a.name].uid}"
+            else:
+                self.registry.add(a.name, a.uid, a.path, a.pinned, a.content_hash)
+                log.info("LoRA registry: %s (uid %s) rebuilt from the workers", a.name, a.uid)
+                return
+        except LoraConfigError as e:
+            reason = str(e)
+        log.error("LoRA adapter %s (uid %s) is no longer valid and is unloaded: %s", a.name, a.uid, reason)
+        self.health.adapters_lost += 1
+        if a.name not in self.registry.loaded:
+            self.registry.refs.pop(a.name, None)
+        self._start_op(lambda op: LoraUnloadCmd(op, a.uid))  # answered later; nobody waits for it
+
+    async def _finish_restore(self, e, op_id: int, fut: asyncio.Future) -> None:
+        try:
+            res = await self._wait_op(op_id, fut)
+        except RuntimeError as err:
+            res = LoraOpResult(op_id, False, str(err))
+        cur = self.registry.loaded.get(e.name)
+        if res.ok or cur is None or cur.uid != e.uid:
+            return
+        self.registry.remove(e.name, forget=True)
+        self.health.adapters_lost += 1
+        log.error("LoRA adapter %s could not be restored and was removed: %s", e.name, res.error)

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import logging
 import signal
+import time
 import traceback
+import uuid
 
 import zmq
 import zmq.asyncio
@@ -18,7 +22,9 @@ from ipc.messages import (
     BatchTokenOut,
     ClientMsg,
     ClusterEvent,
+    ClusterView,
     ErrorOut,
+    FrontDoorHello,
     GenerateReq,
     HealthReq,
     ListLorasReq,
@@ -63,11 +69,12 @@ class ZmqSink:
 class FrontDoorServer:
     """Sockets and the asyncio tasks around :class:`FrontDoor`."""
 
-    def __init__(self, args: ServerArgs, ctx: zmq.asyncio.Context) -> None:
+    def __init__(self, args: ServerArgs, ctx: zmq.asyncio.Context, incarnation: int = 1) -> None:
         ep = args.endpoints
         self.args = args
-        self.router = make_socket(ctx, zmq.ROUTER, ep.front, bind=True)
-        self.router.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        self.ctx = ctx
+        self.incarnation = incarnation
+        self.router: zmq.asyncio.Socket | None = None  # bound once the registry agrees with the workers
         self.from_sched = make_socket(ctx, zmq.PULL, ep.to_tokenizer, bind=True)
         self.to_sched = make_socket(ctx, zmq.PUSH, ep.to_scheduler, bind=False)
         self.sched_out: Codec = Codec(ToSchedulerMsg)
@@ -78,7 +85,10 @@ class FrontDoorServer:
         self.stop = asyncio.Event()
 
     def _send_sched(self, msg: object) -> None:
-        self.to_sched.send(self.sched_out.encode(msg), zmq.NOBLOCK)
+        try:
+            self.to_sched.send(self.sched_out.encode(msg), zmq.NOBLOCK)
+        except zmq.Again:  # the scheduler is down: what it must know is resubmitted when it is back
+            log.warning("scheduler unreachable; %s not sent (resubmitted after its restart)", type(msg).__name__)
 
     def _sink(self, identity: bytes) -> ZmqSink:
         s = self.sinks.get(identity)
@@ -139,18 +149,47 @@ class FrontDoorServer:
                 self.door.on_op_result(msg)
             elif isinstance(msg, ClusterEvent):
                 self.door.on_cluster_event(msg)
+            elif isinstance(msg, ClusterView):
+                self.door.on_cluster_view(msg)
+
+    async def sync_with_scheduler(self) -> None:
+        """Say hello to the scheduler until it answers with the workers' adapters (a restarted front door
+        rebuilds its registry from them); the front door takes no traffic before that.
+
+        Raises:
+            TimeoutError: no answer within ``--ready-timeout``.
+        """
+        hello = FrontDoorHello(uuid.uuid4().hex)
+        deadline = time.monotonic() + self.args.ready_timeout_s
+        while not self.door.synced.is_set():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the scheduler did not answer in {self.args.ready_timeout_s} s")
+            self._send_sched(hello)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self.door.synced.wait(), 1.0)
 
     async def load_initial_adapters(self) -> None:
-        """Load ``--lora-paths`` adapters (deterministic uids); any failure stops start-up."""
+        """Load ``--lora-paths`` adapters (deterministic uids). At the first start any failure stops start-up;
+        after a restart the ones the workers still hold are already in the registry, and a failure is logged."""
         for spec in self.args.lora_paths:
-            await self.door.load_adapter(spec.name, spec.path, spec.pinned, deterministic=True)
+            if spec.name in self.door.registry.loaded:
+                continue
+            try:
+                await self.door.load_adapter(spec.name, spec.path, spec.pinned, deterministic=True)
+            except (AdapterRefused, RuntimeError) as e:
+                if self.incarnation == 1:
+                    raise
+                log.error("start-up adapter %s not loaded after the restart: %s", spec.name, e)
 
     async def run(self) -> None:
         """Start serving; returns on SIGTERM after telling the scheduler to stop."""
         loop = asyncio.get_running_loop()
         loop.add_signal_handler(signal.SIGTERM, self.stop.set)
         tasks = [asyncio.ensure_future(self.serve_scheduler())]
+        await self.sync_with_scheduler()
         await self.load_initial_adapters()
+        self.router = make_socket(self.ctx, zmq.ROUTER, self.args.endpoints.front, bind=True)
+        self.router.setsockopt(zmq.ROUTER_HANDOVER, 1)
         tasks.append(asyncio.ensure_future(self.serve_clients()))
         http = None
         if self.args.http_port:
@@ -164,6 +203,7 @@ class FrontDoorServer:
             front=self.args.endpoints.front,
             http_port=self.args.http_port,
             adapters=sorted(self.door.registry.loaded),
+            incarnation=self.incarnation,
         )
         await self.stop.wait()
         self.door.fail_all("server shutting down")
@@ -179,7 +219,7 @@ class FrontDoorServer:
 
 def main() -> None:
     """Entry point: ``python -m tokenizer_proc.main --config-file F``."""
-    args, _ = child_setup("tokenizer")
+    args, ns = child_setup("tokenizer")
     try:
         import uvloop
 
@@ -189,7 +229,8 @@ def main() -> None:
     ctx = zmq.asyncio.Context()
 
     async def amain() -> None:
-        server = FrontDoorServer(args, ctx)
+        server = FrontDoorServer(args, ctx, ns.incarnation)
+        server.door.health.merge_restarts(json.loads(ns.restarts))
         await server.run()
 
     try:

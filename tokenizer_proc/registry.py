@@ -33,6 +33,7 @@ class Entry:
     rank: int
     pinned: bool
     last_used: int = 0
+    content_hash: str = ""  # sha256 of the files every rank read at the first load (restores check it)
 
 
 def stable_uid(name: str, path: str) -> str:
@@ -75,10 +76,14 @@ class LoraRegistry:
         """A fresh uid for a load of ``name`` from ``path``."""
         return stable_uid(name, path) if deterministic else str(uuid.uuid4())
 
-    def add(self, name: str, uid: str, path: str, pinned: bool) -> Entry:
-        """Record a load every rank confirmed."""
+    def add(self, name: str, uid: str, path: str, pinned: bool, content_hash: str = "") -> Entry:
+        """Record a load every rank confirmed.
+
+        Raises:
+            LoraConfigError: the adapter's config can no longer be read (its folder changed meanwhile).
+        """
         rank = read_adapter_config(Path(path), name).max_rank()
-        e = Entry(name, uid, path, rank, pinned, self._tick())
+        e = Entry(name, uid, path, rank, pinned, self._tick(), content_hash)
         self.loaded[name] = e
         self.refs[name] = (path, pinned)
         return e
