@@ -128,6 +128,16 @@ def test_scheduler_and_front_door_restarts_keep_requests_and_adapters(tmp_path):
         assert outs == ref[:3]
         assert "is no longer valid and is unloaded" in h.log()
 
+        # the rebuilt registry answers admin calls consistently: loaded means "already loaded", never both
+        with LoomClient(h.endpoint, timeout_s=60) as c:
+            with pytest.raises(LoomError, match="a is already loaded"):
+                c.load_lora_adapter("a", str(ad["r8-all"]))
+            c.unload_lora_adapter("a")
+            with pytest.raises(LoomError, match="never been loaded: a"):
+                c.generate(text="hi", lora_path="a", sampling_params={"max_new_tokens": 2})
+            c.load_lora_adapter("a", str(ad["r8-all"]))
+            assert c.generate(**reqs[1])["text"] == ref[1]
+
 
 _SUBREAPER_DRIVER = r"""
 import ctypes, os, signal, subprocess, sys, time
