@@ -27,7 +27,16 @@ class StopRequested(BaseException):
     """Raised in the main loop when SIGTERM arrives (a BaseException so ``except Exception`` never eats it)."""
 
 
+_stopping = False
+
+
 def _raise_stop(signum: int, _frame: object) -> None:
+    # one-shot: a second SIGTERM (the launcher's, after a ShutdownCmd already began the shutdown) must not
+    # interrupt the cleanup with a traceback
+    global _stopping
+    if _stopping:
+        return
+    _stopping = True
     raise StopRequested(signal.Signals(signum).name)
 
 
@@ -65,6 +74,8 @@ def begin_cleanup(args: ServerArgs) -> None:
     """Start of a child's shutdown: ignore further SIGTERMs (the launcher may send one while we are already
     stopping, e.g. after a ShutdownCmd) and, if the launcher is gone (killed with SIGKILL), remove the
     socket folder and the front socket file it can no longer remove itself."""
+    global _stopping
+    _stopping = True
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if launcher_gone():
         import shutil
