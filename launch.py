@@ -35,6 +35,7 @@ from ipc.sockets import CONTROL_CODEC, make_socket
 
 ROOT = Path(__file__).resolve().parent
 CONTROL_SCHED_CODEC: Codec = Codec(ToSchedulerMsg)
+FATAL_EXIT_CODE = 3  # a child that exits with this code must not be restarted (scheduler_proc.main)
 DEFAULT_ENDPOINT = "ipc:///tmp/loom.sock"
 log = logging.getLogger("launch")
 
@@ -280,6 +281,8 @@ class Cluster:
         if dead is None:
             return
         name, code = dead
+        if code == FATAL_EXIT_CODE:  # e.g. TP ranks diverged: a restart would serve wrong weights again
+            raise RuntimeError(f"{name} exited with code {code} (a fatal error, see its log); stopping the cluster")
         if name.startswith("gpu_worker"):
             self.restart_group(name, f"{name} exited with code {describe_exit(code)}", code)
         else:

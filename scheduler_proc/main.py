@@ -53,6 +53,9 @@ from scheduler_proc.scheduler import Scheduler
 log = logging.getLogger("scheduler")
 
 
+FATAL_EXIT_CODE = 3  # tells the launcher not to restart us: the cluster's state cannot be trusted
+
+
 class DivergenceError(RuntimeError):
     """TP ranks reached different LoRA slot decisions; serving on would mix adapters' weights."""
 
@@ -459,7 +462,7 @@ def main() -> None:
         log.critical("%s", e)
         loop._to_front(ClusterEvent("fatal", str(e)))
         loop.to_front.close(linger=2000)  # ctx.destroy(0) below would drop the event if it had not left yet
-        raise SystemExit(3) from None
+        raise SystemExit(FATAL_EXIT_CODE) from None
     finally:
         begin_cleanup(args)
         ctx.destroy(0)

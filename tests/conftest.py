@@ -74,7 +74,8 @@ def _no_stray_socket_dirs():
 
     start = time.time()
     yield
-    for d in Path(tempfile.gettempdir()).glob("loom-*-*"):
+    # only this process's folders (make_endpoints names them loom-PID-...): other sessions may be running
+    for d in Path(tempfile.gettempdir()).glob(f"loom-{os.getpid()}-*"):
         try:
             if d.is_dir() and d.stat().st_mtime >= start - 1 and not any(d.iterdir()):
                 d.rmdir()

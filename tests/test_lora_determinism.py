@@ -168,4 +168,6 @@ def test_one_rank_failing_and_diverging(tmp_path):
         assert "LoRA slot tables diverged at step" in msg, msg
         assert f"rank 0 has {{'{uid}': 0}}" in msg and f"rank 1: {{'{uid}': 1}}" in msg, msg
         assert cluster.wait_exit(30) == 1  # the launcher noticed the scheduler's exit and stopped everything
-        assert "scheduler_proc exited with code 3" in cluster.log_text()
+        assert (
+            "scheduler_proc exited with code 3 (a fatal error, see its log); stopping the cluster" in cluster.log_text()
+        )
