@@ -12,6 +12,7 @@ whole TP group with a new epoch while the tokenizer and scheduler keep serving; 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -28,7 +29,7 @@ import zmq
 
 from ipc.codec import Codec, WireError
 from ipc.config import LoraSpec, ServerArgs, free_tcp_port, make_endpoints
-from ipc.messages import ProcFailed, ProcReady, RestartWorkers, ToSchedulerMsg, WorkersRestarting
+from ipc.messages import Heartbeat, ProcFailed, ProcReady, RestartWorkers, ToSchedulerMsg, WorkersRestarting
 from ipc.model_config import UnsupportedModelError, load_model_config
 from ipc.model_source import ModelSourceError, resolve_model_path
 from ipc.sockets import CONTROL_CODEC, make_socket
@@ -88,9 +89,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--crash-loop-deaths",
         type=int,
         default=5,
-        help="this many worker failures within --crash-loop-window stop the cluster",
+        help="this many failures of one process (or of the TP group) within --crash-loop-window stop the cluster",
     )
     a("--crash-loop-window", type=float, default=60.0, help="seconds")
+    a("--hang-timeout", type=float, default=10.0, help="a scheduler/tokenizer silent this long (s) is restarted")
     a("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p
 
@@ -135,6 +137,7 @@ def to_server_args(ns: argparse.Namespace) -> ServerArgs:
         lora_op_timeout_s=ns.lora_op_timeout,
         crash_loop_deaths=ns.crash_loop_deaths,
         crash_loop_window_s=ns.crash_loop_window,
+        hang_timeout_s=ns.hang_timeout,
         ready_timeout_s=ns.ready_timeout,
         http_port=ns.http_port,
         http_host=ns.host,
@@ -191,6 +194,7 @@ class Cluster:
         self.restarts: dict[str, int] = {}
         self.incarnations = {"scheduler_proc": 1, "tokenizer_proc": 1}
         self.respawned_at: dict[str, float] = {}
+        self.heartbeats: dict[str, float] = {}  # service -> monotonic time of its last heartbeat
 
     def _spawn(self, name: str, module: str, extra: list[str], env_extra: dict[str, str] | None = None) -> None:
         env = dict(os.environ)
@@ -276,7 +280,12 @@ class Cluster:
                 log.info("%s is back (pid %d) in %.2f s", msg.name, msg.pid, took)
             elif isinstance(msg, ProcFailed):
                 log.error("%s failed to start: %s", msg.name, msg.error)
+            elif isinstance(msg, Heartbeat):
+                p = self.procs.get(msg.name)
+                if p is not None and p.pid == msg.pid:
+                    self.heartbeats[msg.name] = time.monotonic()
             msg = self._recv_control(0)
+        self._check_heartbeats()
         dead = self.dead()
         if dead is None:
             return
@@ -287,6 +296,20 @@ class Cluster:
             self.restart_group(name, f"{name} exited with code {describe_exit(code)}", code)
         else:
             self.restart_service(name, code)
+
+    def _check_heartbeats(self) -> None:
+        """SIGKILL a scheduler or tokenizer whose heartbeats stopped (SIGSTOP, a deadlock): it is then
+        restarted like any dead process."""
+        now = time.monotonic()
+        for name, last in list(self.heartbeats.items()):
+            p = self.procs.get(name)
+            if p is None or p.poll() is not None or now - last < self.args.hang_timeout_s:
+                continue
+            log.error("%s (pid %d) sent no heartbeat for %.1f s: hung; killing it", name, p.pid, now - last)
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+            del self.heartbeats[name]
 
     def _count_failure(self, key: str, process: str, cause: str, code: int | None) -> int:
         """Record a failure; returns how many of ``key`` fell within the crash-loop window.
@@ -319,6 +342,7 @@ class Cluster:
         cause = f"{name} exited with code {describe_exit(code)}"
         n = self._count_failure(name, name, cause, code)
         self.procs.pop(name).wait()
+        self.heartbeats.pop(name, None)
         self.incarnations[name] += 1
         log.warning(
             "%s; restarting it as incarnation %d (%d failures in the last %.0f s)",

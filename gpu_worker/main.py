@@ -41,6 +41,12 @@ def init_distributed(init_method: str, rank: int, world: int, device: torch.devi
     return dist.group.WORLD
 
 
+def _peer_gone(e: BaseException) -> bool:
+    """Whether a step error is a collective that lost its peer (gloo/nccl connection errors)."""
+    text = str(e)
+    return any(k in text for k in ("Connection reset by peer", "Connection closed by peer", "gloo", "NCCL"))
+
+
 def main() -> None:
     """Entry point: ``python -m gpu_worker.main --config-file F --rank N``."""
     args, ns = child_setup("gpu_worker")
@@ -95,7 +101,11 @@ def main() -> None:
                 try:
                     reply = worker.step(msg)
                 except Exception as e:  # noqa: BLE001 - the scheduler fails the step's requests with this text
-                    log.error("step %d failed: %s", msg.step, traceback.format_exc())
+                    if group is not None and isinstance(e, dist.DistError | RuntimeError) and _peer_gone(e):
+                        # a peer rank died mid-collective: the launcher replaces the whole group; one line will do
+                        log.error("step %d: a collective failed (a peer rank is gone): %s", msg.step, str(e)[:200])
+                    else:
+                        log.error("step %d failed: %s", msg.step, traceback.format_exc())
                     reply = StepResult(msg.step, rank, [], error=f"rank {rank}: {e}", epoch=ns.epoch)
             elif isinstance(msg, WorkerLoraLoad):
                 reply = worker.load_lora(msg)

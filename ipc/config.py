@@ -50,6 +50,7 @@ class ServerArgs(msgspec.Struct, frozen=True, kw_only=True):
     ready_timeout_s: float = 300.0
     crash_loop_deaths: int = 5  # this many worker deaths within crash_loop_window_s stop the cluster
     crash_loop_window_s: float = 60.0
+    hang_timeout_s: float = 10.0  # a scheduler/tokenizer whose heartbeats stop this long is killed and restarted
     http_port: int = 0  # 0 = no HTTP server
     http_host: str = "127.0.0.1"
     endpoints: Endpoints

@@ -464,4 +464,11 @@ class RestartWorkers(msgspec.Struct, tag=True):
     reason: str
 
 
-ControlMsg = Union[ProcReady, ProcFailed, RestartWorkers]
+class Heartbeat(msgspec.Struct, tag=True):
+    """scheduler_proc / tokenizer_proc -> launcher, every second: still serving (a silent one is hung)."""
+
+    name: str
+    pid: int
+
+
+ControlMsg = Union[ProcReady, ProcFailed, RestartWorkers, Heartbeat]

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import os
+import time
 
 import zmq
 
 from ipc.codec import Codec
-from ipc.messages import ControlMsg, ProcFailed, ProcReady
+from ipc.messages import ControlMsg, Heartbeat, ProcFailed, ProcReady
 
 CONTROL_CODEC: Codec = Codec(ControlMsg)
 
@@ -49,3 +50,31 @@ def ready(ctx: zmq.Context, control: str, name: str, **facts: object) -> None:
 def failed(ctx: zmq.Context, control: str, name: str, error: str) -> None:
     """Tell the launcher process ``name`` could not start and why."""
     report_to_launcher(ctx, control, ProcFailed(name=name, pid=os.getpid(), error=error))
+
+
+HEARTBEAT_INTERVAL_S = 1.0
+
+
+class HeartbeatSender:
+    """Sends :class:`Heartbeat` to the launcher at most every ``HEARTBEAT_INTERVAL_S``; call :meth:`beat`
+    from the process's main loop (a hung loop stops beating, and the launcher restarts the process)."""
+
+    def __init__(self, ctx: zmq.Context, control: str, name: str) -> None:
+        self.sock = make_socket(ctx, zmq.PUSH, control, bind=False)
+        self.sock.setsockopt(zmq.SNDHWM, 4)
+        self.frame = CONTROL_CODEC.encode(Heartbeat(name, os.getpid()))
+        self.last = 0.0
+
+    def beat(self) -> None:
+        """Send a heartbeat if the last one is older than the interval (never blocks)."""
+        now = time.monotonic()
+        if now - self.last >= HEARTBEAT_INTERVAL_S:
+            self.last = now
+            try:
+                self.sock.send(self.frame, zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+
+    def close(self) -> None:
+        """Close the socket."""
+        self.sock.close(0)

@@ -45,7 +45,7 @@ from ipc.messages import (
 )
 from ipc.model_config import load_model_config
 from ipc.proc import StopRequested, begin_cleanup, child_setup
-from ipc.sockets import CONTROL_CODEC, failed, make_socket, ready
+from ipc.sockets import CONTROL_CODEC, HeartbeatSender, failed, make_socket, ready
 from scheduler_proc.lora_ops import LoadedAdapter, LoraOps
 from scheduler_proc.recovery import GroupRecovery, RestoreOutcome
 from scheduler_proc.scheduler import Scheduler
@@ -89,6 +89,7 @@ class SchedulerLoop:
         # a restarted rank reconnects under the same identity: let it take over the dead one's route at once
         self.workers.setsockopt(zmq.ROUTER_HANDOVER, 1)
         self.control = make_socket(ctx, zmq.PUSH, ep.control, bind=False)
+        self.heartbeat = HeartbeatSender(ctx, ep.control, "scheduler_proc")
         self.in_codec: Codec = Codec(ToSchedulerMsg)
         self.front_codec: Codec = Codec(ToTokenizerMsg)
         self.worker_in: Codec = Codec(FromWorkerMsg)
@@ -120,12 +121,13 @@ class SchedulerLoop:
         Raises:
             TimeoutError: naming the ranks that did not report READY within ``--ready-timeout``.
         """
-        start = time.monotonic()
-        deadline = start + self.args.ready_timeout_s
+        deadline = time.monotonic() + self.args.ready_timeout_s
         hello = self.worker_out.encode(SchedulerHello(self.incarnation))
         asked_restart = 0
         last_hello = 0.0
+        first_ready = float("inf")  # ranks silent this long after another rank answered are stuck
         while True:
+            self.heartbeat.beat()
             epoch = max((r.epoch for r in self.ready.values()), default=0)
             current = {k: r for k, r in self.ready.items() if r.epoch == epoch}
             if len(current) == self.args.tp_size:
@@ -141,7 +143,7 @@ class SchedulerLoop:
                         self.workers.send_multipart([f"rank-{r}".encode(), hello], zmq.NOBLOCK)
                     except zmq.ZMQError:
                         pass  # not connected (yet): it sends READY by itself when it starts
-            if current and now - start > self.args.step_timeout_s and asked_restart < epoch:
+            if current and now - first_ready > self.args.step_timeout_s and asked_restart < epoch:
                 asked_restart = epoch
                 self._ask_launcher(epoch, f"ranks {sorted(set(range(self.args.tp_size)) - set(current))} silent")
             if self.workers.poll(200):
@@ -152,6 +154,7 @@ class SchedulerLoop:
                     continue
                 if isinstance(msg, WorkerReady):  # results of a dead scheduler's plans arrive first: skipped
                     self.ready[msg.rank] = msg
+                    first_ready = min(first_ready, time.monotonic())
         self.ready = current
         cfg = load_model_config(self.args.model_path)
         tok = Tokenizer.from_file(f"{self.args.model_path}/tokenizer.json")
@@ -401,6 +404,7 @@ class SchedulerLoop:
         poller.register(self.from_front, zmq.POLLIN)
         poller.register(self.workers, zmq.POLLIN)
         while True:
+            self.heartbeat.beat()
             if not self.in_flight and self.recovery.serving:
                 for m in self.ops.ready_to_send(self.sched.uses_adapter, self.sched.can_pin):
                     self._broadcast(m)
@@ -411,7 +415,7 @@ class SchedulerLoop:
                     self.step_started = time.monotonic()
                     tokens = sum(len(r.input_ids) for r in fb.reqs)
                     self.step_deadline_s = self.args.step_timeout_s + STEP_TIMEOUT_PER_TOKEN_S * tokens
-            events = dict(poller.poll(1000 if not self.in_flight else 200))
+            events = dict(poller.poll(500 if not self.in_flight else 200))
             if self.from_front in events:
                 for _ in range(256):
                     try:

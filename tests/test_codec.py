@@ -75,6 +75,7 @@ SAMPLES = {
         m.ProcReady("scheduler_proc", 123, {"kv_tokens": 10}),
         m.ProcFailed("gpu_worker[1]", 5, "oom"),
         m.RestartWorkers(1, "step timed out"),
+        m.Heartbeat("scheduler_proc", 42),
     ],
 }
 UNIONS = {name: getattr(m, name) for name in SAMPLES}

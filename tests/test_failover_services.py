@@ -63,7 +63,7 @@ def test_scheduler_and_front_door_restarts_keep_requests_and_adapters(tmp_path):
     shutil.copytree(ad["r16-attn"], doomed)
     port = free_tcp_port()
     flags = ["--tp-size", "2", "--max-total-tokens", "2048", "--enable-lora", "--max-loras-per-batch", "4"]
-    flags += ["--http-port", str(port), "--lora-paths", f"a={ad['r8-all']}", f"c={doomed}"]
+    flags += ["--http-port", str(port), "--hang-timeout", "3", "--lora-paths", f"a={ad['r8-all']}", f"c={doomed}"]
     flags += [json.dumps({"lora_name": "p", "lora_path": str(ad["r32-qv"]), "pinned": True})]
     reqs = mixed_requests([None, "a", "p", "c"])
     with launch_cluster(tmp_path / "cluster", *flags) as h:
@@ -88,6 +88,15 @@ def test_scheduler_and_front_door_restarts_keep_requests_and_adapters(tmp_path):
         wait_healthy(port)
         assert adapter_uids(h.endpoint) == uids
         assert restarts_metric(port) == {"scheduler_proc": 1, "tokenizer_proc": 1}
+
+        # a hung scheduler or front door (SIGSTOP) stops its heartbeats: the launcher kills and restarts it
+        for target in ("scheduler_proc", "tokenizer_proc"):
+            outs, chunks = run_round(h.endpoint, reqs, kill(h, target, signal.SIGSTOP))
+            assert outs == ref, h.log()[-4000:]
+            assert_streams_consistent(chunks)
+            assert f"{target} (pid" in h.log() and "sent no heartbeat for" in h.log()
+        wait_healthy(port)
+        assert restarts_metric(port) == {"scheduler_proc": 2, "tokenizer_proc": 2}
 
         # ... a request that cannot be retried (sampled, no seed) is told within seconds, never times out
         _find_children(h)

@@ -37,7 +37,7 @@ from ipc.messages import (
     UnloadLoraReq,
 )
 from ipc.proc import begin_cleanup, child_setup
-from ipc.sockets import failed, make_socket, ready
+from ipc.sockets import HEARTBEAT_INTERVAL_S, HeartbeatSender, failed, make_socket, ready
 from tokenizer_proc.front_door import FrontDoor
 from tokenizer_proc.registry import AdapterRefused, UnknownAdapter
 
@@ -152,6 +152,16 @@ class FrontDoorServer:
             elif isinstance(msg, ClusterView):
                 self.door.on_cluster_view(msg)
 
+    async def beat(self) -> None:
+        """Tell the launcher every second that the event loop still runs (a hung loop gets restarted)."""
+        hb = HeartbeatSender(zmq.Context.instance(), self.args.endpoints.control, "tokenizer_proc")
+        try:
+            while True:
+                hb.beat()
+                await asyncio.sleep(HEARTBEAT_INTERVAL_S / 2)
+        finally:
+            hb.close()
+
     async def sync_with_scheduler(self) -> None:
         """Say hello to the scheduler until it answers with the workers' adapters (a restarted front door
         rebuilds its registry from them); the front door takes no traffic before that.
@@ -196,6 +206,7 @@ class FrontDoorServer:
             from tokenizer_proc.http_api import start_http
 
             http = await start_http(self.door, self.args.http_host, self.args.http_port)
+        tasks.append(asyncio.ensure_future(self.beat()))
         ready(
             zmq.Context.instance(),
             self.args.endpoints.control,
