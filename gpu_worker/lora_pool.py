@@ -124,7 +124,7 @@ class LoraPool:
                 f"LoRA adapter {name}: the files in {path} changed since it was first loaded "
                 f"(sha256 {content_hash[:12]}… != {expect_hash[:12]}…)"
             )
-        acfg = read_adapter_config(path, name)
+        acfg = read_adapter_config(path, name, tie_word_embeddings=self.cfg.tie_word_embeddings)
         weights = read_adapter(path, name, acfg, self.cfg, self.plan, self.max_rank, self.dtype)
         extra = sorted({m for (_, m) in weights} - set(self.targets))
         if extra:

@@ -14,13 +14,16 @@ import torch
 from safetensors import safe_open
 
 from gpu_worker.tp_plan import ShardPlan
-from ipc.lora_config import LLAMA_LORA_MODULES, WEIGHTS_FILE, LoraAdapterConfig
+from ipc.lora_config import LLAMA_LORA_MODULES, WEIGHTS_FILE, LoraAdapterConfig, vocab_refusal
 from ipc.model_config import ModelConfig
 
 _KEY = re.compile(
     r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.default)?\.weight$"
 )
 COLUMN_MODULES = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+# PEFT's tensors for an adapted (or fully saved) vocabulary layer: lm_head.lora_A.weight, lm_head.base_layer.weight,
+# embed_tokens.lora_embedding_A, ...
+_VOCAB_KEY = re.compile(r"(?:^|\.)(lm_head|embed_tokens)\.")
 
 
 class LoraWeightsError(ValueError):
@@ -75,8 +78,9 @@ def read_adapter(
 
     Raises:
         LoraWeightsError: zero-byte or truncated file, a tensor that is not a LoRA weight of a Llama
-            linear, a layer/module the model lacks, an unpaired A/B, a shape that does not match the base
-            model or the config's rank, a rank above ``max_rank``, or non-finite values.
+            linear (tensors of lm_head / embed_tokens are refused saying why), a layer/module the model lacks,
+            an unpaired A/B, a non-float dtype (int8, bool, ...: named, never cast), a shape that does not match
+            the base model or the config's rank, a rank above ``max_rank``, or non-finite values.
     """
     path = Path(folder) / WEIGHTS_FILE
     if not path.is_file():
@@ -91,6 +95,12 @@ def read_adapter(
     found: dict[tuple[int, str], dict[str, str]] = {}
     for key in keys:
         m = _KEY.match(key)
+        vocab = _VOCAB_KEY.search(key)
+        if m is None and vocab is not None:
+            raise LoraWeightsError(
+                f"LoRA adapter {name}: tensor {key} in {path.name} adapts {vocab.group(1)}, which is not "
+                f"supported: {vocab_refusal(cfg.tie_word_embeddings)}"
+            )
         if m is None:
             raise LoraWeightsError(
                 f"LoRA adapter {name}: tensor {key} in {path.name} is not a LoRA A/B weight of a Llama linear"
@@ -118,6 +128,13 @@ def read_adapter(
             raise LoraWeightsError(
                 f"LoRA adapter {name}: cannot read {ab['A']}/{ab['B']} from {path.name}: {e}"
             ) from None
+        for key, t in ((ab["A"], a), (ab["B"], b)):
+            if not t.dtype.is_floating_point:
+                raise LoraWeightsError(
+                    f"LoRA adapter {name}: tensor {key} in {path.name} has dtype {str(t.dtype).removeprefix('torch.')}"
+                    "; LoRA weights must be floating point (float32, bfloat16, float16, ...): integer, bool and "
+                    "quantised adapter tensors are refused, never cast"
+                )
         fin, fout = module_dims(cfg, module)
         r = a.shape[0] if a.dim() == 2 else -1
         if a.dim() != 2 or a.shape[1] != fin:

@@ -13,7 +13,7 @@ import torch
 
 from gpu_worker.kv_cache import KVCache
 from gpu_worker.model import LlamaShard, StepInputs
-from gpu_worker.sampling import sample
+from gpu_worker.sampling import sample_rows
 from gpu_worker.tp_plan import make_shard_plan
 from gpu_worker.weights import load_shard
 from ipc.config import ServerArgs
@@ -173,11 +173,19 @@ class Worker:
         """Run one step; rank 0 samples one token per request (other ranks return no tokens)."""
         logits = self.forward_logits(fb)
         next_ids: list[int] = []
+        row_errors: dict[int, str] = {}
         if self.rank == 0:
-            next_ids = sample(logits, [r.sampling for r in fb.reqs], [r.output_len for r in fb.reqs], self._gen)
+            out = sample_rows(logits, [r.sampling for r in fb.reqs], [r.output_len for r in fb.reqs], self._gen)
+            next_ids, row_errors = out.tokens, out.errors
         digest, table = ("", {}) if self.lora is None else self.lora.digest()
         return StepResult(
-            step=fb.step, rank=self.rank, next_ids=next_ids, slot_digest=digest, slots=table, epoch=self.epoch
+            step=fb.step,
+            rank=self.rank,
+            next_ids=next_ids,
+            row_errors=row_errors,
+            slot_digest=digest,
+            slots=table,
+            epoch=self.epoch,
         )
 
     def load_lora(self, msg: WorkerLoraLoad) -> LoraOpAck:

@@ -1,10 +1,11 @@
 """Parse and check a PEFT LoRA ``adapter_config.json``; shared by the registry and every worker rank.
 
-Fields that change the maths are either implemented (``r``, ``lora_alpha``, ``use_rslora``,
-``rank_pattern``, ``alpha_pattern``, ``target_modules``) or refused with an error naming the field
-(``use_dora``, ``bias`` other than "none", ``modules_to_save``, ``fan_in_fan_out``, ...). Training-only fields
-(dropout, init) and bookkeeping fields are ignored. Scaling is ``lora_alpha / r`` (Hu et al., LoRA, 2021) or
-``lora_alpha / sqrt(r)`` with rsLoRA (Kalajdzievski, arXiv 2312.03732).
+Fields that change the maths are either implemented (``r``, ``lora_alpha``, ``use_rslora``, ``rank_pattern``,
+``alpha_pattern``, ``target_modules`` as a list, a regex or PEFT's ``"all-linear"``) or refused with an error
+naming the field (``use_dora``, ``bias`` other than "none", ``modules_to_save``, ``fan_in_fan_out``, targets on
+the vocabulary layers, ...). Training-only fields (dropout, init) and bookkeeping fields are ignored. Scaling is
+``lora_alpha / r`` (Hu et al., LoRA, 2021) or ``lora_alpha / sqrt(r)`` with rsLoRA (Kalajdzievski, arXiv
+2312.03732).
 """
 
 from __future__ import annotations
@@ -19,6 +20,10 @@ from typing import Union
 import msgspec
 
 LLAMA_LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# PEFT's shorthand (matched case-insensitively, as PEFT does): every linear layer except the output head. On a
+# Llama that is exactly the seven per-layer linears of every layer.
+ALL_LINEAR = "all-linear"
+VOCAB_MODULES = ("lm_head", "embed_tokens")  # the vocabulary layers, which Loom never adapts
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 
@@ -37,7 +42,7 @@ class LoraAdapterConfig(msgspec.Struct, frozen=True):
     target_modules: list[str]  # short module names it may touch (q_proj ...)
     rank_pattern: dict[str, int]
     alpha_pattern: dict[str, float]
-    target_spec: Union[str, list[str]] = []  # target_modules as written (regex string or list of names)
+    target_spec: Union[str, list[str]] = []  # target_modules as written (regex or names; "all-linear" expanded)
     exclude_spec: Union[str, list[str], None] = None  # exclude_modules as written
     layers_to_transform: list[int] | None = None
 
@@ -83,6 +88,34 @@ def _spec_matches(spec: Union[str, list[str]], module_path: str) -> bool:
     return any(module_path == t or module_path.endswith("." + t) for t in spec)
 
 
+def vocab_refusal(tie_word_embeddings: bool | None) -> str:
+    """Why an adapter on ``lm_head`` / ``embed_tokens`` is refused, for a model that does (``True``), does not
+    (``False``) or may (``None``: the caller does not know the model) tie its input and output embeddings."""
+    only = f"adapters may target only the per-layer linears {list(LLAMA_LORA_MODULES)}"
+    if tie_word_embeddings:
+        return (
+            "the model ties its embeddings (tie_word_embeddings=true): embed_tokens and lm_head are one shared "
+            "[vocab, hidden] tensor, and an adapter on either would make the input and output sides differ, "
+            f"which Loom's single shared vocabulary tensor cannot serve; {only}"
+        )
+    if tie_word_embeddings is None:
+        return (
+            "Loom never adapts the vocabulary layers (on a model with tied embeddings, such as the default "
+            "SmolLM2, embed_tokens and lm_head are one shared tensor, so an adapter on either would make the input "
+            f"and output sides differ); {only}"
+        )
+    return f"Loom has no LoRA slots for the vocabulary layers (embed_tokens, lm_head); {only}"
+
+
+def _compile(name: str, field: str, pattern: str) -> re.Pattern[str]:
+    try:
+        return re.compile(pattern)
+    except re.error as e:
+        raise LoraConfigError(
+            f"LoRA adapter {name}: {CONFIG_FILE} field {field} holds {pattern!r}, not a valid regex: {e}"
+        ) from None
+
+
 def _sample_paths(module: str) -> list[str]:
     block = "mlp" if module in ("gate_proj", "up_proj", "down_proj") else "self_attn"
     return [module] + [f"model.layers.{i}.{block}.{module}" for i in range(128)]
@@ -92,12 +125,18 @@ def _refuse(name: str, field: str, value: object, why: str) -> LoraConfigError:
     return LoraConfigError(f"LoRA adapter {name}: {CONFIG_FILE} field {field}={value!r} is not supported: {why}")
 
 
-def read_adapter_config(folder: str | Path, name: str) -> LoraAdapterConfig:
+def read_adapter_config(folder: str | Path, name: str, *, tie_word_embeddings: bool | None = None) -> LoraAdapterConfig:
     """Read ``folder/adapter_config.json``.
+
+    ``target_modules`` may be a list of names or dotted suffixes, a regex full-matched against module paths, or
+    PEFT's ``"all-linear"`` (any case): every linear layer but the output head, i.e. all seven per-layer Llama
+    linears. ``tie_word_embeddings`` (the base model's, when the caller knows it) only shapes the wording of
+    the refusal of ``lm_head`` / ``embed_tokens`` targets.
 
     Raises:
         LoraConfigError: naming the adapter and the file or field: missing folder or files, bad JSON, a
-            non-LoRA ``peft_type``, a bad ``r``/``lora_alpha``, or an unsupported field.
+            non-LoRA ``peft_type``, a bad ``r``/``lora_alpha``, an invalid regex, a target that matches no
+            module or a vocabulary layer (lm_head, embed_tokens), or an unsupported field.
     """
     d = Path(folder)
     cfg_path = d / CONFIG_FILE
@@ -144,8 +183,15 @@ def read_adapter_config(folder: str | Path, name: str) -> LoraAdapterConfig:
     if not isinstance(alpha, (int, float)) or alpha <= 0:
         raise LoraConfigError(f"LoRA adapter {name}: {CONFIG_FILE} field lora_alpha={alpha!r} must be positive")
     tm = raw.get("target_modules")
-    if isinstance(tm, str):
-        targets = [m for m in LLAMA_LORA_MODULES if any(re.fullmatch(tm, p) for p in _sample_paths(m))]
+    if isinstance(tm, str) and tm.lower() == ALL_LINEAR:
+        tm = list(LLAMA_LORA_MODULES)  # PEFT expands the shorthand the same way when it loads the adapter
+        targets = list(LLAMA_LORA_MODULES)
+    elif isinstance(tm, str):
+        rx = _compile(name, "target_modules", tm)
+        vocab = [p for p in ("lm_head", "model.embed_tokens") if rx.fullmatch(p)]
+        if vocab:
+            raise _refuse(name, "target_modules", tm, f"it matches {vocab}: {vocab_refusal(tie_word_embeddings)}")
+        targets = [m for m in LLAMA_LORA_MODULES if any(rx.fullmatch(p) for p in _sample_paths(m))]
     elif isinstance(tm, list) and all(isinstance(m, str) for m in tm):
         targets = sorted({m.split(".")[-1] for m in tm}, key=lambda m: (m not in LLAMA_LORA_MODULES, m))
     else:
@@ -155,11 +201,16 @@ def read_adapter_config(folder: str | Path, name: str) -> LoraAdapterConfig:
     exclude = raw.get("exclude_modules")
     if exclude is not None and not isinstance(exclude, (str, list)):
         raise LoraConfigError(f"LoRA adapter {name}: {CONFIG_FILE} field exclude_modules={exclude!r} is malformed")
+    if isinstance(exclude, str):
+        _compile(name, "exclude_modules", exclude)
     ltt = raw.get("layers_to_transform")
     if isinstance(ltt, int) and not isinstance(ltt, bool):
         ltt = [ltt]
     if ltt is not None and not (isinstance(ltt, list) and all(isinstance(i, int) for i in ltt)):
         raise LoraConfigError(f"LoRA adapter {name}: {CONFIG_FILE} field layers_to_transform={ltt!r} is malformed")
+    vocab = [m for m in targets if m in VOCAB_MODULES]
+    if vocab:
+        raise _refuse(name, "target_modules", vocab, vocab_refusal(tie_word_embeddings))
     unknown = [m for m in targets if m not in LLAMA_LORA_MODULES]
     if unknown:
         raise _refuse(
@@ -170,6 +221,8 @@ def read_adapter_config(folder: str | Path, name: str) -> LoraAdapterConfig:
     for field, pat in (("rank_pattern", rank_pattern), ("alpha_pattern", alpha_pattern)):
         if not isinstance(pat, dict) or any(not isinstance(v, (int, float)) or v <= 0 for v in pat.values()):
             raise LoraConfigError(f"LoRA adapter {name}: {CONFIG_FILE} field {field} must map patterns to numbers > 0")
+        for key in pat:
+            _compile(name, field, rf"(.*\.)?(?:{key})")
     return LoraAdapterConfig(
         name=name,
         r=r,

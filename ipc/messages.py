@@ -91,6 +91,7 @@ class GenerateReq(msgspec.Struct, tag=True, forbid_unknown_fields=True):
     stream: bool = False
     lora_path: str | None = None
     rid: str | None = None
+    allow_special_tokens_in_content: bool = False  # chat: special-token text in content becomes control tokens
 
 
 class AbortReq(msgspec.Struct, tag=True, forbid_unknown_fields=True):
@@ -412,6 +413,9 @@ class WorkerReady(msgspec.Struct, tag=True):
 class StepResult(msgspec.Struct, tag=True):
     """A rank finished step ``step``. ``next_ids`` (rank 0 only) has one token per request in plan order.
 
+    ``row_errors`` (rank 0 only) maps the plan rows whose token could not be sampled (the model gave NaN/+inf or
+    only -inf logits) to why; ``next_ids`` holds -1 there. Only those requests fail; ``error`` fails the step.
+
     ``slot_digest`` hashes the rank's uid -> slot table and eviction order after the step so the scheduler can
     check every rank made the same decisions. ``slots`` is that table (uid -> slot).
     """
@@ -423,6 +427,7 @@ class StepResult(msgspec.Struct, tag=True):
     slots: dict[str, int] = {}
     error: str | None = None
     epoch: int = 1  # the sender's TP group epoch: results of a group that was replaced are dropped
+    row_errors: dict[int, str] = {}  # rank 0: plan row -> why it could not be sampled (next_ids has -1 there)
 
 
 class LoraOpAck(msgspec.Struct, tag=True):

@@ -11,11 +11,95 @@ order; one that does not fit may be overtaken, but once the oldest waiting reque
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from ipc.messages import BatchReq, FinishReason, ForwardBatch, TokenizedReq, TokenOut, WorkerSampling
 from scheduler_proc.kv_allocator import KVBudget, SlotAllocator
+
+_CONTEXT_TOKENS = 4  # tokens of left context kept for the next decode (a byte-level character is at most 4)
+_MAX_WINDOW_TOKENS = 32  # text still incomplete after this many tokens holds invalid bytes: read on regardless
+
+
+class _TextView:
+    """One rendering of a request's output text, read incrementally: each step decodes only the tokens whose text
+    is not fully read yet plus a few tokens of left context, and only the last ``keep`` characters are kept.
+
+    ``specials`` None: the detokenizer's own rendering (special tokens skipped). Otherwise each special token
+    is written out as its text, and the runs between them are detokenized.
+    """
+
+    def __init__(self, detokenize: Callable[[list[int]], str], specials: Mapping[int, str] | None, keep: int) -> None:
+        self._detokenize = detokenize
+        self._specials = specials
+        self._ids: list[int] = []  # left context, then the tokens whose text is not fully read
+        self._read = 0  # characters of detokenize(self._ids) already read
+        self._keep = keep
+        self._tail = ""
+
+    def push(self, ids: Sequence[int]) -> str:
+        """Append tokens; return the last ``keep`` characters read before them followed by the new text."""
+        parts = [self._tail]
+        for t in ids:
+            if self._specials is not None and t in self._specials:
+                parts += [self._new_text(final=True), self._specials[t]]
+                self._ids, self._read = [], 0
+            else:
+                self._ids.append(t)
+        parts.append(self._new_text(final=False))
+        window = "".join(parts)
+        self._tail = window[-self._keep :] if self._keep else ""
+        return window
+
+    def _new_text(self, final: bool) -> str:
+        """Text not read yet, short of a trailing incomplete character (U+FFFD) unless ``final``."""
+        if not self._ids:
+            return ""
+        text = self._detokenize(self._ids)
+        # the text before a trailing U+FFFD stays as it is: UTF-8 resynchronises at every character
+        end = len(text) if final else len(text.rstrip("\ufffd"))
+        new = text[self._read : end]
+        self._read = max(self._read, end)
+        if len(self._ids) > 2 * _CONTEXT_TOKENS and (end == len(text) or len(self._ids) > _MAX_WINDOW_TOKENS):
+            self._ids = self._ids[-_CONTEXT_TOKENS:]  # keep a little left context; all it says has been read
+            kept = self._detokenize(self._ids)
+            self._read = len(kept) if end == len(text) else len(kept.rstrip("\ufffd"))
+        return new
+
+
+class StopStringMatcher:
+    """Finds a request's stop strings in its output as tokens arrive.
+
+    Stop strings are matched against the output text with special tokens skipped, as SGLang and vLLM do. The
+    text is tracked incrementally, so a match is found however many tokens it spans (a token may be a third
+    of a character: "語" is three tokens of SmolLM2's byte-level vocabulary). A stop string that contains a
+    special token's text (``"<|im_end|>"``) is matched instead against the text with special tokens written
+    out, so it matches when the model generates that token.
+    """
+
+    def __init__(
+        self, stops: Sequence[str], detokenize: Callable[[list[int]], str], special_tokens: Mapping[int, str]
+    ) -> None:
+        texts = set(special_tokens.values())
+        marked = [s for s in stops if any(t in s for t in texts)]
+        plain = [s for s in stops if s not in marked]
+        self._views = [
+            (group, _TextView(detokenize, specials, max(len(s) for s in group) - 1))
+            for group, specials in ((plain, None), (marked, special_tokens))
+            if group
+        ]
+        self._fed = 0
+
+    def feed(self, output_ids: Sequence[int]) -> str | None:
+        """Read the tokens of ``output_ids`` not seen yet; return the first stop string now in the text, if any."""
+        new = output_ids[self._fed :]
+        self._fed = len(output_ids)
+        for group, view in self._views:
+            window = view.push(new)
+            for s in group:
+                if s in window:
+                    return s
+        return None
 
 
 @dataclass
@@ -36,6 +120,7 @@ class Req:
     reserved: int = 0
     waited_steps: int = 0
     finished: bool = False
+    stop_matcher: StopStringMatcher | None = None
 
     @property
     def seq_len(self) -> int:
@@ -55,7 +140,9 @@ class Scheduler:
         kv_capacity: token slots in the KV pool (min over TP ranks).
         context_len: longest sequence (prompt + output) allowed.
         eos_ids: model EOS token ids (ignored per request with ``ignore_eos``).
-        detokenize: ``ids -> text`` used for stop strings (None disables them).
+        detokenize: ``ids -> text`` with special tokens skipped, used for stop strings (None disables them).
+        special_tokens: special token id -> its text; stop strings that contain such text are matched against
+            the output with special tokens written out (see :class:`StopStringMatcher`).
         max_loras_per_batch: LoRA slots per rank; ``pinned_uids`` hold one each permanently.
     """
 
@@ -67,6 +154,7 @@ class Scheduler:
         context_len: int,
         eos_ids: list[int],
         detokenize: Callable[[list[int]], str] | None = None,
+        special_tokens: Mapping[int, str] | None = None,
         max_loras_per_batch: int = 8,
         starvation_steps: int = 64,
     ) -> None:
@@ -76,6 +164,7 @@ class Scheduler:
         self.context_len = context_len
         self.eos_ids = frozenset(eos_ids)
         self.detokenize = detokenize
+        self.special_tokens: dict[int, str] = dict(special_tokens or {})
         self.max_loras_per_batch = max_loras_per_batch
         self.starvation_steps = starvation_steps
         self.pinned_uids: set[str] = set()
@@ -238,15 +327,27 @@ class Scheduler:
         return ForwardBatch(step=self._step, reqs=plan)
 
     # ------------------------------------------------------------------ results
-    def on_result(self, next_ids: list[int]) -> list[TokenOut]:
-        """Apply rank 0's tokens (plan order) and return what changed; finished requests free KV at once."""
+    def on_result(self, next_ids: list[int], row_errors: dict[int, str] | None = None) -> list[TokenOut]:
+        """Apply rank 0's tokens (plan order) and return what changed; finished requests free KV at once.
+
+        A row in ``row_errors`` (plan index -> why rank 0 could not sample it) ends only its own request, with
+        kind ``server_error`` and the reason; the other rows go on as usual.
+        """
         reqs, self._in_flight = self._in_flight or [], None
         if len(next_ids) != len(reqs):
             raise RuntimeError(f"worker returned {len(next_ids)} tokens for {len(reqs)} requests")
         outs: list[TokenOut] = []
-        for r, tok in zip(reqs, next_ids, strict=True):
+        for i, (r, tok) in enumerate(zip(reqs, next_ids, strict=True)):
             if r.finished or r.rid not in self.running:
                 continue  # aborted while the step ran
+            why = (row_errors or {}).get(i)
+            if why is not None:
+                message = f"rank 0: {why}"
+                self._release(r)
+                out = self._finish_out(r, FinishReason("abort", message=message), error=message)
+                out.error_kind = "server_error"
+                outs.append(out)
+                continue
             r.output_ids.append(tok)
             reason = self._finish_reason(r, tok)
             if reason is None:
@@ -305,11 +406,11 @@ class Scheduler:
         if tok in r.stop_ids:
             return FinishReason("stop", matched=tok)
         if r.stop_strs and self.detokenize is not None:
-            longest = max(len(s) for s in r.stop_strs)
-            tail = self.detokenize(r.output_ids[-(longest + 8) :])
-            for s in r.stop_strs:
-                if s in tail:
-                    return FinishReason("stop", matched=s)
+            if r.stop_matcher is None:  # built at the first token, so a resumed request reads its earlier output
+                r.stop_matcher = StopStringMatcher(r.stop_strs, self.detokenize, self.special_tokens)
+            matched = r.stop_matcher.feed(r.output_ids)
+            if matched is not None:
+                return FinishReason("stop", matched=matched)
         if len(r.output_ids) >= r.max_new_tokens:
             return FinishReason("length", matched=None)
         return None

@@ -212,7 +212,7 @@ def run_engine(worker, scheduler, arrivals: dict[int, list], max_steps: int = 10
             continue
         plans.append(fb)
         res = worker.step(fb)
-        for o in scheduler.on_result(res.next_ids):
+        for o in scheduler.on_result(res.next_ids, res.row_errors):
             outs.setdefault(o.rid, []).append(o)
         step += 1
     outs["__plans__"] = plans

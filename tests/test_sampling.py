@@ -60,10 +60,10 @@ def test_seeded_row_independent_of_batch_composition_and_position():
     p = ws(1.0, 0.95, 30, seed=1234)
     alone = [sample(target[None], [p], [n], gen(0))[0] for n in range(8)]
     for n in range(8):
-        others = [ws(1.0), ws(0.0), ws(2.0, seed=9), ws(0.7, 0.8, 10), ws(1.0, seed=1234)]
+        others = [ws(1.0), ws(0.0), ws(2.0, seed=9), ws(0.7, 0.8, 10), ws(1.0, seed=1234), ws(0.0)]
         batch = torch.cat([x[:3], target[None], x[3:]])  # target at row 3, same seed also at row 5 (other logits)
         params = others[:3] + [p] + others[3:]
-        lens = [n + 1, 0, 17, n, 3, 2]
+        lens = [n + 1, 0, 17, n, 3, 2, 5]
         assert sample(batch, params, lens, gen(n))[3] == alone[n]
     assert len(set(alone)) > 1  # the step (output_len) feeds the seed: not the same token every step
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from ipc.messages import GenerateReq
 
 MAX_TEMPERATURE = 100.0
@@ -13,15 +15,29 @@ class BadRequest(ValueError):
     """The request is malformed; the message names what is wrong."""
 
 
+def _check_number(name: str, value: float, lo: float, hi: float, lo_open: bool, meaning: str) -> None:
+    """Raise BadRequest unless ``value`` is a finite number in ``[lo, hi]`` (``(lo, hi]`` when ``lo_open``)."""
+    interval = f"{'(' if lo_open else '['}{lo:g}, {hi:g}]"
+    if math.isnan(value):
+        raise BadRequest(f"sampling_params.{name}={value} is not a number; it must be in {interval} ({meaning})")
+    if math.isinf(value):
+        raise BadRequest(f"sampling_params.{name}={value} is not finite; it must be in {interval} ({meaning})")
+    if not (lo < value if lo_open else lo <= value) or value > hi:
+        raise BadRequest(f"sampling_params.{name}={value} must be in {interval} ({meaning})")
+
+
 def validate_sampling(req: GenerateReq, context_len: int, vocab_size: int) -> None:
-    """Raise BadRequest for a sampling value outside its range."""
+    """Raise BadRequest for a sampling value outside its range, naming the field and the value.
+
+    Every value accepted here can be sampled (see ``gpu_worker/sampling.py``): a temperature below
+    ``GREEDY_TEMPERATURE_EPS`` (1e-5) is greedy, and a ``top_p`` too small for any token keeps the top one.
+    NaN and infinities are refused by name for the float fields.
+    """
     sp = req.sampling_params
     if not 1 <= sp.max_new_tokens <= context_len:
         raise BadRequest(f"sampling_params.max_new_tokens={sp.max_new_tokens} must be in [1, {context_len}]")
-    if not 0.0 <= sp.temperature <= MAX_TEMPERATURE or sp.temperature != sp.temperature:
-        raise BadRequest(f"sampling_params.temperature={sp.temperature} must be in [0, {MAX_TEMPERATURE}]")
-    if not 0.0 < sp.top_p <= 1.0:
-        raise BadRequest(f"sampling_params.top_p={sp.top_p} must be in (0, 1]")
+    _check_number("temperature", sp.temperature, 0.0, MAX_TEMPERATURE, False, "0 or below 1e-5 = greedy")
+    _check_number("top_p", sp.top_p, 0.0, 1.0, True, "1 = off")
     if sp.top_k != -1 and not 1 <= sp.top_k <= vocab_size:
         raise BadRequest(f"sampling_params.top_k={sp.top_k} must be -1 (off) or in [1, {vocab_size}]")
     stops = sp.stop_strings()
