@@ -19,8 +19,22 @@ _launcher_pid: int | None = None
 
 
 def launcher_gone() -> bool:
-    """Whether the launcher that started this process has died."""
-    return _launcher_pid is not None and os.getppid() != _launcher_pid
+    """Whether the launcher that started this process has died (or is dying).
+
+    The parent pid alone is not enough: Linux sends the parent-death signal when the launcher's *thread* that
+    started us exits, and may first re-parent us to another of its threads (ZeroMQ's), so ``getppid()`` can
+    still name a launcher that is already a zombie or exiting.
+    """
+    if _launcher_pid is None:
+        return False
+    if os.getppid() != _launcher_pid:
+        return True
+    try:
+        with open(f"/proc/{_launcher_pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return True
+    return fields[0] in ("Z", "X") or bool(int(fields[6]) & 0x4)  # state; flags & PF_EXITING
 
 
 class StopRequested(BaseException):
