@@ -1,5 +1,8 @@
-"""scripts/failover_drill.py end to end: ten TP=2 rounds with two adapters, every target, every phase and one hang;
-every request finishes with the fault-free tokens, every kill is found in the log, and nothing is left behind."""
+"""scripts/failover_drill.py end to end: ten TP=2 rounds with two adapters, every rank, every phase and one hang;
+and six TP=1 rounds that kill or hang the scheduler and the front door and kill the launcher itself (the drill a
+child subreaper, as docker --init is). Every request finishes with the fault-free tokens (or, when the launcher
+dies, with a clear error), every fault is found, a killed launcher's children are gone within 2 s and leave no
+socket folder, front socket or /dev/shm entry, and nothing is left behind."""
 
 from __future__ import annotations
 
@@ -16,19 +19,23 @@ from lora_helpers import real_adapters
 pytestmark = pytest.mark.slow
 
 PHASES = ["idle", "prefill", "decode", "lora-load"]
+DRILL = REPO / "scripts" / "failover_drill.py"
+
+
+def env() -> dict[str, str]:
+    return dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
 
 
 @pytest.mark.timeout(420)
 def test_drill_tp2_ten_rounds_every_request_exact(tmp_path):
     ad = real_adapters()
     log = tmp_path / "cluster.log"
-    cmd = [sys.executable, str(REPO / "scripts" / "failover_drill.py"), "--rounds", "10", "--json"]
+    cmd = [sys.executable, str(DRILL), "--rounds", "10", "--json"]
     cmd += ["--targets", "gpu_worker[0],gpu_worker[1]", "--phases", ",".join(PHASES)]
     cmd += ["--signals", "KILL*6,STOP,KILL*3", "--new-tokens", "8", "--log", str(log), "--"]
     cmd += ["--tp-size", "2", "--max-total-tokens", "2048", "--step-timeout", "3", "--enable-lora"]
     cmd += ["--lora-paths", f"a={ad['r8-all']}", f"b={ad['r32-qv']}"]
-    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-    p = subprocess.run(cmd, cwd=str(REPO), capture_output=True, text=True, timeout=400, env=env)
+    p = subprocess.run(cmd, cwd=str(REPO), capture_output=True, text=True, timeout=400, env=env())
     assert p.returncode == 0, f"{p.stderr[-6000:]}\n{log.read_text()[-4000:] if log.exists() else ''}"
     doc = json.loads(p.stdout)
     s, rounds = doc["summary"], doc["rounds"]
@@ -72,3 +79,86 @@ def test_drill_tp2_ten_rounds_every_request_exact(tmp_path):
     assert not Path(c["endpoint"][len("ipc://") :]).exists()
     assert not Path(c["work_dir"]).exists()
     assert log.is_file() and "restarting the TP group as epoch 11" in log.read_text()
+
+
+SERVICE_PLAN = [
+    ("scheduler_proc", "STOP", "decode"),
+    ("scheduler_proc", "KILL", "prefill"),
+    ("tokenizer_proc", "STOP", "decode"),
+    ("tokenizer_proc", "KILL", "prefill"),
+    ("launcher", "KILL", "decode"),
+    ("launcher", "KILL", "prefill"),
+]
+HANG_TIMEOUT_S = 3.0
+
+
+@pytest.mark.timeout(240)
+def test_drill_tp1_services_and_launcher(tmp_path):
+    shm_before = set(os.listdir("/dev/shm"))
+    log = tmp_path / "cluster.log"
+    cmd = [sys.executable, str(DRILL), "--rounds", "6", "--json", "--subreaper", "--new-tokens", "6"]
+    cmd += ["--targets", "scheduler_proc,tokenizer_proc,launcher", "--phases", "decode,prefill"]
+    cmd += ["--signals", "STOP,KILL,STOP,KILL,KILL,KILL", "--log", str(log), "--"]
+    cmd += ["--max-total-tokens", "1024", "--hang-timeout", str(HANG_TIMEOUT_S)]
+    p = subprocess.run(cmd, cwd=str(REPO), capture_output=True, text=True, timeout=220, env=env())
+    assert p.returncode == 0, f"{p.stderr[-6000:]}\n{log.read_text()[-4000:] if log.exists() else ''}"
+    doc = json.loads(p.stdout)
+    s, rounds = doc["summary"], doc["rounds"]
+    assert [(r["process"], r["signal"], r["phase"]) for r in rounds] == SERVICE_PLAN
+    assert s["ok"] and s["cluster_died"] is None, s
+    assert s["requests"]["hung"] == 0 and s["requests"]["wrong"] == 0, s
+    n_reqs = len(doc["config"]["workload"])
+    assert n_reqs == 3  # two base, one seeded
+
+    # a restarted scheduler or front door: found in the log, back, and every request exactly as without a fault
+    for r in rounds[:4]:
+        name = r["process"]
+        assert r["counts"]["identical"] == n_reqs, r
+        assert r["detected"] and r["up_s"] is not None and r["first_token_s"] is not None, r
+        assert r["incarnation_after"] == r["incarnation_before"] + 1, r
+        assert r["epoch_after"] == r["epoch_before"] == 1 and not r["also_restarted"], r
+        if r["signal"] == "STOP":  # heartbeats once a second: silent for the hang timeout, found within 0.2 s
+            assert f"{name} (pid {r['pid']}) sent no heartbeat for" in r["detect_line"], r
+            assert HANG_TIMEOUT_S - 1.6 <= r["detect_s"] <= HANG_TIMEOUT_S + 2.0, r
+        else:
+            assert f"{name} exited with code -9 (SIGKILL); restarting it as incarnation" in r["detect_line"], r
+            assert r["detect_s"] < 1.5, r
+
+    # a killed launcher: every process below it gone within 2 s (re-parented to the drill, which reaped them),
+    # nothing left behind, and a fresh cluster; requests in flight finished there or failed with a clear error
+    for r in rounds[4:]:
+        d = r["launcher"]
+        hint = "(a socket folder or front socket left: see ipc.proc.launcher_gone)"
+        assert d is not None and d["clean"] and not d["survived"], f"{r['notes']} {hint}\n{d}"
+        assert d["exit"] == "-9 (SIGKILL)" and d["gone_s"] < 2.0, d
+        assert sorted(d["children"].values()) == ["gpu_worker[0]", "scheduler_proc", "tokenizer_proc"], d
+        assert set(d["exits"]) == set(d["children"]), d  # the drill reaped every one: it was their subreaper
+        assert not (d["left"] or d["socket_dir_left"] or d["front_left"] or d["shm_left"]), d
+        assert d["restart_s"] is not None and r["up_s"] == d["restart_s"] and r["epoch_after"] == 1, r
+        assert r["detected"] and r["detect_s"] == d["gone_s"], r
+        assert any("children gone in" in n and n.endswith("nothing left") for n in r["notes"]), r
+        for q in r["requests"]:
+            ok = q["status"] == "identical" or (
+                q["status"] == "error"
+                and (q["detail"].startswith("unavailable:") or q["detail"] == "server_error: server shutting down")
+            )
+            assert ok, r
+    assert s["launcher_killed"] == 2 and s["launcher_clean"] == 2, s
+    assert "nothing left" in p.stderr and "result: PASS" in p.stderr, p.stderr
+
+    # nothing left behind by any of the three clusters
+    c = doc["cluster"]
+    assert c["generations"] == 3 and len(c["config_files"]) == 3 and len(c["launcher_pids"]) == 3, c
+    for pid in c["launcher_pids"]:
+        assert not (pid_alive(pid) and c["endpoint"] in _cmdline(pid)), f"launcher {pid} survived"
+    for pid in map(int, c["pids"]):
+        cmd = _cmdline(pid)
+        assert not (pid_alive(pid) and any(cf in cmd for cf in c["config_files"])), f"{c['pids'][str(pid)]} survived"
+    for cf in c["config_files"]:
+        assert not Path(cf).parent.exists(), cf
+    assert not Path(c["endpoint"][len("ipc://") :]).exists()
+    assert not Path(c["work_dir"]).exists()
+    assert not (set(os.listdir("/dev/shm")) - shm_before)
+    text = log.read_text()
+    assert text.count("sent no heartbeat for") == 2 and text.count(" is back (pid ") == 4, text[-4000:]
+    assert "---- failover drill: fresh cluster (generation 3) ----" in text
