@@ -62,6 +62,12 @@ def build_parser() -> argparse.ArgumentParser:
     a("--device", default="auto", choices=["auto", "cpu", "cuda"])
     a("--tp-size", type=int, default=1, help="tensor-parallel ranks (one gpu_worker process each)")
     a("--max-running-requests", type=int, default=64)
+    a(
+        "--max-queued-requests",
+        type=int,
+        default=4096,
+        help="requests queued, running or being tokenized at once; more are answered overloaded",
+    )
     a("--max-total-tokens", type=int, default=0, help="KV-cache size in tokens (0 = derive from memory)")
     a("--context-length", type=int, default=0, help="0 = the model's max_position_embeddings")
     a("--mem-fraction-static", type=float, default=0.8, help="CUDA: share of GPU memory for weights + KV")
@@ -129,6 +135,7 @@ def to_server_args(ns: argparse.Namespace) -> ServerArgs:
         device=ns.device,
         tp_size=ns.tp_size,
         max_running_requests=ns.max_running_requests,
+        max_queued_requests=ns.max_queued_requests,
         max_total_tokens=ns.max_total_tokens,
         context_length=ns.context_length,
         mem_fraction_static=ns.mem_fraction_static,

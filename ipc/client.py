@@ -17,11 +17,20 @@ one that stops answering (frozen, or a dead network path) is dropped after 1.5 s
   ``retry_window_s`` (30 s) of the drop, it fails with ``unavailable``. A resubmitted stream yields only chunks
   that extend what it already yielded, and raises ``server_error`` if the regenerated output diverges from it.
   A server never reached by this client gets no retry window: requests fail after ``connect_timeout_s``.
+
+Every request gets exactly one terminal reply. A front door with ``--max-queued-requests`` requests queued
+answers more with kind ``overloaded`` (retry later); a request frame over ``MAX_FRAME_BYTES`` (8 MiB) is refused
+here with ``bad_request`` before it is sent. Replies that match no request in flight (a late chunk of an aborted
+stream, the error for a frame of ``send_raw``) are skipped, never handed to another call, and so are the empty
+frames the server sends to check that a client with requests in flight is still there. Closing a stream, at any
+point (even before its first chunk), aborts its request on the server.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 import math
 import time
 import uuid
@@ -52,7 +61,9 @@ from ipc.messages import (
     ServerMsg,
     UnloadLoraReq,
 )
+from ipc.sockets import MAX_FRAME_BYTES
 
+log = logging.getLogger("loom.client")
 DEFAULT_ENDPOINT = "ipc:///tmp/loom.sock"
 CONNECT_TIMEOUT_S = 2.5  # no connection for this long: the server is unavailable
 RETRY_WINDOW_S = 30.0  # how long a resubmittable request waits for a lost server to come back
@@ -66,7 +77,8 @@ _NUDGE = object()  # put in async request queues when the connection state chang
 class LoomError(RuntimeError):
     """The server refused or failed a request, or cannot be reached.
 
-    ``kind``: bad_request | not_found | server_error | timeout | unavailable (no connection to the server).
+    ``kind``: bad_request | not_found | server_error | timeout | unavailable (no connection to the server) |
+    overloaded (the server has ``--max-queued-requests`` requests queued: retry later).
     """
 
     def __init__(self, message: str, kind: str = "server_error", rid: str = "") -> None:
@@ -108,6 +120,9 @@ class _Conn:
     def __init__(self, ctx: zmq.Context, endpoint: str) -> None:
         self.sock = ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        # requests are never refused or dropped here: the caller bounds what it sends, and resubmitting every
+        # request in flight after a lost connection must not fail at ZeroMQ's default high-water mark of 1,000
+        self.sock.setsockopt(zmq.SNDHWM, 0)
         self.sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
         self.sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
         self.sock.setsockopt(zmq.HEARTBEAT_TTL, HEARTBEAT_TTL_MS)
@@ -213,6 +228,27 @@ class _ClientBase:
         """The DEALER socket of the current connection (replaced after a connection is lost)."""
         return self._conn.sock
 
+    def _encode(self, msg: Any) -> bytes:
+        """``msg`` as a frame. Raises LoomError (bad_request) over ``MAX_FRAME_BYTES``, which the server's socket
+        would refuse by closing the connection."""
+        frame = self.out.encode(msg)
+        if len(frame) > MAX_FRAME_BYTES:
+            raise LoomError(
+                f"the request is {len(frame)} bytes; the server takes at most {MAX_FRAME_BYTES} bytes per request",
+                "bad_request",
+                getattr(msg, "rid", "") or "",
+            )
+        return frame
+
+    def _known(self, msg: Any) -> bool:
+        """Whether ``msg`` belongs to a request in flight; others are logged and skipped."""
+        rid = getattr(msg, "rid", None)
+        if rid in self._flights:
+            return True
+        if isinstance(msg, ErrorOut):
+            log.warning("skipping an error that names no request in flight (rid %r): %s", rid, msg.message)
+        return False
+
     def _start(self, req: GenerateReq, retry: bool | None) -> _Flight:
         choice = self.retry if retry is None else retry
         if choice is None:
@@ -253,6 +289,8 @@ class _ClientBase:
                 frame = self._conn.io.recv(zmq.NOBLOCK)
             except zmq.Again:
                 return out
+            if not frame:  # a liveness probe
+                continue
             try:
                 out.append(self._mark(self.inc.decode(frame)))
             except WireError:
@@ -294,7 +332,7 @@ class _ClientBase:
             if f.done:
                 continue
             if f.retry:
-                self._conn.io.send(self.out.encode(f.req), zmq.NOBLOCK)  # queued until the server is back
+                self._conn.io.send(self.out.encode(f.req), zmq.NOBLOCK)  # queued (no HWM) until the server is back
                 f.resumed = True
                 continue
             f.done = True
@@ -399,6 +437,8 @@ class LoomClient(_ClientBase):
                     frame = conn.sock.recv(zmq.NOBLOCK)
                 except zmq.Again:
                     continue
+                if not frame:  # a liveness probe
+                    continue
                 return self._mark(self.inc.decode(frame))
 
     def _next_for(self, flight: _Flight) -> Any:
@@ -408,11 +448,10 @@ class LoomClient(_ClientBase):
             return stash.pop(0)
         while True:
             msg = self._recv(flight, self._epoch)
-            mrid = getattr(msg, "rid", None)
-            if mrid == rid or (isinstance(msg, ErrorOut) and mrid == ""):
+            if getattr(msg, "rid", None) == rid:
                 return msg
-            if mrid is not None:
-                self._stash.setdefault(mrid, []).append(msg)
+            if self._known(msg):  # another request's, for its own waiter
+                self._stash.setdefault(msg.rid, []).append(msg)
 
     def _end(self, flight: _Flight) -> None:
         rid = flight.req.rid
@@ -442,11 +481,12 @@ class LoomClient(_ClientBase):
         the server cannot be reached, ``server_error`` when a resumed stream diverged.
         """
         req = _request(text, input_ids, messages, sampling_params, stream, lora_path, rid)
+        frame = self._encode(req)
         self._refresh()
         flight = self._start(req, retry)
-        self.sock.send(self.out.encode(req))
+        self.sock.send(frame)
         if stream:
-            return self._stream(flight)
+            return _SyncStream(self, flight)
         return self._final(flight)
 
     def _final(self, flight: _Flight) -> dict[str, Any]:
@@ -462,32 +502,20 @@ class LoomClient(_ClientBase):
         finally:
             self._end(flight)
 
-    def _stream(self, flight: _Flight) -> Iterator[dict[str, Any]]:
-        rid = flight.req.rid
-        delivered = _Delivered(self.endpoint, rid)
-        done = False
-        try:
-            while not done:
-                msg = self._next_for(flight)
-                if isinstance(msg, LoomError):
-                    done = True
-                    raise msg
-                if isinstance(msg, ErrorOut):
-                    done = True
-                    raise LoomError(msg.message, msg.kind, msg.rid)
-                admit = delivered.admit(msg, flight.resumed)
-                done = msg.finished
-                if admit:
-                    yield _result(msg)
-        finally:
-            self._end(flight)
-            if not done:
-                self.abort(rid)
-
     def abort(self, rid: str) -> None:
         """Abort request ``rid`` (sent by this client)."""
         self._flights.pop(rid, None)
         self.sock.send(self.out.encode(AbortReq(rid)))
+
+    def _next_chunk(self, flight: _Flight, delivered: _Delivered) -> tuple[dict[str, Any] | None, bool]:
+        """The next chunk of a stream to yield (None: skip it) and whether the stream has ended."""
+        msg = self._next_for(flight)
+        if isinstance(msg, LoomError):
+            raise msg
+        if isinstance(msg, ErrorOut):
+            raise LoomError(msg.message, msg.kind, msg.rid)
+        admit = delivered.admit(msg, flight.resumed)
+        return (_result(msg) if admit else None), msg.finished
 
     def _admin(self, msg: Any) -> Any:
         self._refresh()
@@ -497,9 +525,8 @@ class LoomClient(_ClientBase):
             reply = self._recv(None, epoch)
             if isinstance(reply, (AdminOut, LoraListOut)):
                 return reply
-            if isinstance(reply, ErrorOut) and not reply.rid:
-                raise LoomError(reply.message, reply.kind)
-            self._stash.setdefault(reply.rid, []).append(reply)
+            if self._known(reply):  # a generate request's, for its own waiter
+                self._stash.setdefault(reply.rid, []).append(reply)
 
     def _admin_ok(self, msg: Any) -> dict[str, Any]:
         reply = self._admin(msg)
@@ -525,6 +552,62 @@ class LoomClient(_ClientBase):
         server cannot be reached."""
         reply = self._admin(ListLorasReq())
         return [msgspec.to_builtins(a) for a in reply.adapters]
+
+
+class _SyncStream:
+    """The iterator :meth:`LoomClient.generate` returns for ``stream=True``: cumulative result dicts.
+
+    The request is already running when this is returned; ``close()`` (also on ``with`` exit, ``break`` out of a
+    ``for`` loop once the iterator is dropped, or garbage collection) aborts it if it has not finished, also
+    before the first chunk was read.
+    """
+
+    def __init__(self, client: LoomClient, flight: _Flight) -> None:
+        self._client = client
+        self._flight = flight
+        self._delivered = _Delivered(client.endpoint, flight.req.rid)
+        self._done = False
+
+    def __iter__(self) -> _SyncStream:
+        return self
+
+    def __next__(self) -> dict[str, Any]:
+        while not self._done:
+            try:
+                chunk, finished = self._client._next_chunk(self._flight, self._delivered)
+            except BaseException:
+                # an error reply ended the request; a timeout, a diverged resume or an interrupt did not
+                self._finish(ended=self._flight.done)
+                raise
+            if finished:
+                self._finish(ended=True)
+            if chunk is not None:
+                return chunk
+        raise StopIteration
+
+    def _finish(self, ended: bool) -> None:
+        if self._done:
+            return
+        self._done = True
+        self._client._end(self._flight)
+        if not ended and not self._client.sock.closed:
+            self._client.abort(self._flight.req.rid)
+
+    def close(self) -> None:
+        """Stop reading; the request is aborted on the server unless it already finished."""
+        self._finish(ended=False)
+
+    def __enter__(self) -> _SyncStream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001, S110 - best effort at garbage collection (the socket may be gone)
+            pass
 
 
 class AsyncLoomClient(_ClientBase):
@@ -555,6 +638,8 @@ class AsyncLoomClient(_ClientBase):
             q = self._queues.get(getattr(msg, "rid", ""))
             if q is not None:
                 q.put_nowait(msg)
+            elif isinstance(msg, ErrorOut):
+                log.warning("skipping an error that names no request in flight (rid %r): %s", msg.rid, msg.message)
 
     def _check_link(self) -> None:
         """Apply connection events; wake every waiter when the state changed so it re-checks its deadline."""
@@ -612,6 +697,7 @@ class AsyncLoomClient(_ClientBase):
         rid = req.rid
         if rid in self._queues:  # would steal the running request's replies: refuse before sending
             raise LoomError(f"request id {rid!r} is already running on this client", "bad_request", rid)
+        frame = self._encode(req)
         self._check_link()
         flight = self._start(req, kw.get("retry"))
         q: asyncio.Queue = asyncio.Queue()
@@ -619,7 +705,7 @@ class AsyncLoomClient(_ClientBase):
         delivered = _Delivered(self.endpoint, rid)
         done = sent = False
         try:
-            await self.sock.send(self.out.encode(req))
+            await self.sock.send(frame)
             sent = True
             last = time.monotonic()
             while not done:
@@ -652,8 +738,11 @@ class AsyncLoomClient(_ClientBase):
                 del self._queues[rid]
             if self._flights.get(rid) is flight:
                 del self._flights[rid]
-            if sent and not done:
-                await self.sock.send(self.out.encode(AbortReq(rid)))
+            if sent and not done and not self._conn.sock.closed:
+                # not awaited: this runs when the caller closes or cancels the stream, and must not be
+                # cancelled in turn (the socket has no high-water mark, so the send never waits)
+                with contextlib.suppress(zmq.ZMQError):
+                    self._conn.io.send(self.out.encode(AbortReq(rid)), zmq.NOBLOCK)
 
     async def generate(self, text: str | None = None, **kw: Any) -> dict[str, Any]:
         """Like :meth:`LoomClient.generate` (non-streaming: one reply at the end); safe to run many at once.

@@ -41,6 +41,7 @@ class ServerArgs(msgspec.Struct, frozen=True, kw_only=True):
     device: str = "auto"  # auto | cpu | cuda
     tp_size: int = 1
     max_running_requests: int = 64
+    max_queued_requests: int = 4096  # requests queued, running or being tokenized at once; more: "overloaded"
     max_total_tokens: int = 0  # KV pool size in tokens (0 = derived from memory)
     context_length: int = 0  # 0 = the model's max_position_embeddings
     mem_fraction_static: float = 0.8  # CUDA only: share of free memory for weights + KV cache

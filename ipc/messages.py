@@ -136,11 +136,11 @@ class GenerateOut(msgspec.Struct, tag=True):
 
 
 class ErrorOut(msgspec.Struct, tag=True):
-    """A request failed; ``message`` says what was wrong. ``rid`` is empty when the frame was unreadable."""
+    """A request failed; ``message`` says what was wrong. ``rid`` is empty when no rid could be read from the frame."""
 
     rid: str
     message: str
-    kind: str = "bad_request"  # bad_request | not_found | server_error | aborted
+    kind: str = "bad_request"  # bad_request | not_found | server_error | overloaded
 
 
 class AdminOut(msgspec.Struct, tag=True):
@@ -320,6 +320,7 @@ class ClusterView(msgspec.Struct, tag=True):
     epoch: int
     adapters: list[AdapterState] = []
     restarts: dict[str, int] = {}
+    serving: bool = True  # False while the TP group is being replaced (the front door reports 503 meanwhile)
 
 
 ToTokenizerMsg = Union[BatchTokenOut, LoraOpResult, ClusterEvent, ClusterView]

@@ -13,8 +13,31 @@ from ipc.messages import ControlMsg, Heartbeat, ProcFailed, ProcReady
 CONTROL_CODEC: Codec = Codec(ControlMsg)
 
 
-def make_socket(ctx: zmq.Context, kind: int, endpoint: str, *, bind: bool, identity: bytes | None = None) -> zmq.Socket:
-    """A socket with ``linger=0`` (closing never blocks on unsent data), bound or connected to ``endpoint``."""
+# The largest frame a client may send to the front door (ZMQ_MAXMSGSIZE on its ROUTER; the clients refuse a
+# bigger request before sending it). The same bound as an HTTP body. A frame over it never reaches Python: libzmq
+# reads the size header and closes that connection. The longest prompt SmolLM2 can take (8,191 tokens of at most
+# 81 characters, 4 UTF-8 bytes each) is 2.7 MB.
+MAX_FRAME_BYTES = 8 * 2**20
+
+# Between processes no socket drops: a queue whose producer bounds what it sends (the front door bounds its
+# requests by --max-queued-requests, the scheduler sends one message per step) has no high-water mark, so a
+# paused or restarting peer never makes a message vanish at ZeroMQ's default of 1,000.
+UNBOUNDED = 0
+
+
+def make_socket(
+    ctx: zmq.Context,
+    kind: int,
+    endpoint: str,
+    *,
+    bind: bool,
+    identity: bytes | None = None,
+    options: dict[int, int] | None = None,
+) -> zmq.Socket:
+    """A socket with ``linger=0`` (closing never blocks on unsent data), bound or connected to ``endpoint``.
+
+    ``options`` are set before binding or connecting (high-water marks only apply to pipes made after them).
+    """
     sock = ctx.socket(kind)
     sock.setsockopt(zmq.LINGER, 0)
     if identity is not None:
@@ -22,6 +45,8 @@ def make_socket(ctx: zmq.Context, kind: int, endpoint: str, *, bind: bool, ident
     if kind == zmq.ROUTER:
         # sending to a peer that is gone raises EHOSTUNREACH instead of silently dropping
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    for opt, value in (options or {}).items():
+        sock.setsockopt(opt, value)
     if bind:
         sock.bind(endpoint)
     else:

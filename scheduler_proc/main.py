@@ -45,7 +45,7 @@ from ipc.messages import (
 )
 from ipc.model_config import load_model_config
 from ipc.proc import StopRequested, begin_cleanup, child_setup
-from ipc.sockets import CONTROL_CODEC, HeartbeatSender, failed, make_socket, ready
+from ipc.sockets import CONTROL_CODEC, UNBOUNDED, HeartbeatSender, failed, make_socket, ready
 from scheduler_proc.lora_ops import LoadedAdapter, LoraOps
 from scheduler_proc.recovery import GroupRecovery, RestoreOutcome
 from scheduler_proc.scheduler import Scheduler
@@ -83,8 +83,11 @@ class SchedulerLoop:
     def __init__(self, args: ServerArgs, ctx: zmq.Context, restarts: dict[str, int] | None = None) -> None:
         self.args = args
         ep = args.endpoints
-        self.from_front = make_socket(ctx, zmq.PULL, ep.to_scheduler, bind=True)
-        self.to_front = make_socket(ctx, zmq.PUSH, ep.to_tokenizer, bind=False)
+        # no high-water mark either way (ZeroMQ's default of 1,000 drops or blocks): the front door bounds the
+        # requests it sends by --max-queued-requests, and this loop sends one output message per step; while the
+        # front door restarts, what is sent waits in the socket (the new one ignores rids it does not know)
+        self.from_front = make_socket(ctx, zmq.PULL, ep.to_scheduler, bind=True, options={zmq.RCVHWM: UNBOUNDED})
+        self.to_front = make_socket(ctx, zmq.PUSH, ep.to_tokenizer, bind=False, options={zmq.SNDHWM: UNBOUNDED})
         self.workers = make_socket(ctx, zmq.ROUTER, ep.workers, bind=True)
         # a restarted rank reconnects under the same identity: let it take over the dead one's route at once
         self.workers.setsockopt(zmq.ROUTER_HANDOVER, 1)
@@ -165,6 +168,7 @@ class SchedulerLoop:
             context_len=min(self.args.context_length or cfg.max_position_embeddings, capacity),
             eos_ids=cfg.eos_token_ids,
             detokenize=lambda ids: tok.decode(ids, skip_special_tokens=True),
+            special_tokens={i: t.content for i, t in tok.get_added_tokens_decoder().items() if t.special},
             max_loras_per_batch=self.args.max_loras_per_batch,
         )
         # the adapters any rank holds; a rank lacking one of them gets it restored (same uid, content hash)
@@ -183,13 +187,17 @@ class SchedulerLoop:
     def _send_view(self) -> None:
         """Tell the front door which adapters the workers hold (and that this scheduler incarnation is up)."""
         adapters = [AdapterState(a.uid, a.name, a.path, a.pinned, a.content_hash) for a in self.ops.loaded.values()]
-        self._to_front(
-            ClusterView(self.incarnation, self.recovery.epoch, sorted(adapters, key=lambda a: a.uid), self.restarts)
-        )
+        adapters.sort(key=lambda a: a.uid)
+        serving = self.recovery.serving
+        self._to_front(ClusterView(self.incarnation, self.recovery.epoch, adapters, self.restarts, serving))
 
     # ------------------------------------------------------------------ sending
     def _to_front(self, msg: object) -> None:
-        self.to_front.send(self.front_codec.encode(msg))
+        """Queue ``msg`` for the front door; never blocks the loop (the socket has no high-water mark)."""
+        try:
+            self.to_front.send(self.front_codec.encode(msg), zmq.NOBLOCK)
+        except zmq.ZMQError as e:  # only while the context closes at shutdown
+            log.error("cannot queue %s for the front door: %s", type(msg).__name__, e)
 
     def _broadcast(self, msg: object) -> None:
         frame = self.worker_out.encode(msg)
@@ -364,6 +372,8 @@ class SchedulerLoop:
         s.pinned_uids = {u for u, p in self.ops.pinned.items() if p}
         s.loaded_uids = set(self.ops.loaded)
         s.loading_uids = self.ops.loading()
+        for uid in s.loaded_uids & set(s.lost_uids):  # loaded again since it was lost
+            del s.lost_uids[uid]
         s.reserved_pins = self.ops.pending_pins()
         s.blocked_uids &= set(self.ops.loaded) | {
             c.cmd.uid for c in self.ops.pending.values() if isinstance(c.cmd, LoraUnloadCmd)
@@ -378,7 +388,7 @@ class SchedulerLoop:
             return
         check_digests(results)
         self.last_tables = {r: res.slots for r, res in results.items()}
-        self._emit(self.sched.on_result(results[0].next_ids))
+        self._emit(self.sched.on_result(results[0].next_ids, results[0].row_errors))
 
     # ------------------------------------------------------------------ hang detection
     def _check_timeouts(self) -> None:

@@ -6,39 +6,36 @@ Shared by the ZMQ ROUTER and the HTTP server: each request carries a *sink* that
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
 import msgspec
 
 from ipc.config import ServerArgs
-from ipc.lora_config import LoraConfigError, adapter_content_hash
 from ipc.messages import (
     AbortRid,
-    AdapterInfo,
-    AdapterState,
     AdminOut,
     BatchTokenOut,
     ClusterEvent,
     ClusterView,
     ErrorOut,
+    FinishReason,
     GenerateOut,
     GenerateReq,
     LoraListOut,
-    LoraLoadCmd,
     LoraOpResult,
-    LoraSlotsQuery,
-    LoraUnloadCmd,
     MetaInfo,
     ServerMsg,
     TokenizedReq,
     TokenOut,
 )
 from ipc.model_config import load_model_config
+from tokenizer_proc.lora_admin import LoraAdmin
 from tokenizer_proc.registry import AdapterRefused, LoraRegistry, UnknownAdapter
+from tokenizer_proc.stop_text import StopText
 from tokenizer_proc.text import ChatTemplateError, IncrementalText, TextCodec
 from tokenizer_proc.validate import (
     BadRequest,
@@ -49,7 +46,22 @@ from tokenizer_proc.validate import (
 )
 
 log = logging.getLogger("tokenizer")
-LORA_OP_TIMEOUT_S = 300.0
+INLINE_TOKENIZE_CHARS = 4096  # shorter prompts are tokenized on the event loop (well under a millisecond)
+MAX_TOKENIZING = 64  # longer prompts waiting for the tokenizer thread at once; more are answered `overloaded`
+
+
+class Overloaded(RuntimeError):
+    """The front door cannot take this request now; the client should retry later."""
+
+
+@dataclass(eq=False)
+class Intake:
+    """A request being validated and tokenized, not yet sent to the scheduler."""
+
+    client_rid: str
+    sink: Sink
+    aborted: str | None = None  # set by an abort meanwhile: answered as aborted instead of submitted
+    failed: str | None = None  # set by fail_all meanwhile: answered with this server error
 
 
 class Sink(Protocol):
@@ -102,18 +114,16 @@ class FrontDoor:
         if args.max_total_tokens:  # the scheduler caps the context at the KV pool too
             self.context_len = min(self.context_len, args.max_total_tokens)
         self.vocab_size = cfg.vocab_size
-        self.registry = LoraRegistry(
-            lora_root=args.lora_root, max_lora_rank=args.max_lora_rank, max_loaded=args.max_loaded_loras
-        )
+        self.health = ClusterHealth()
+        self.lora = LoraAdmin(args, send_to_scheduler, self.health, cfg.tie_word_embeddings)  # registry, LoRA commands
         self.pending: dict[str, Pending] = {}
         self.by_client: dict[tuple[int, str], str] = {}
-        self._ops: dict[int, asyncio.Future] = {}
-        self._op_cmds: dict[int, object] = {}
+        self.intake: dict[tuple[int, str], Intake] = {}  # requests being validated and tokenized
+        self.max_queued: int = args.max_queued_requests
+        self.tokenizing = 0  # long prompts waiting for or in the tokenizer thread
+        self._tokenizer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
         self.sched_incarnation: str | None = None
         self.synced = asyncio.Event()  # set by the first ClusterView: the registry agrees with the workers
-        self._op_ids = itertools.count(1)
-        self._reloads: dict[str, asyncio.Future] = {}
-        self.health = ClusterHealth()
 
     # ------------------------------------------------------------------ generate
     def _check_chars(self, what: str, n_chars: int, req: GenerateReq) -> None:
@@ -121,31 +131,87 @@ class FrontDoor:
             what, n_chars, req.sampling_params.max_new_tokens, self.context_len, self.codec.max_token_chars
         )
 
-    def _prompt_ids(self, req: GenerateReq) -> list[int]:
+    def _chat_ids(self, req: GenerateReq) -> list[int]:
+        """Render and tokenize a chat request (after its content passed the length check)."""
+        messages = [{"role": m.role, "content": m.content} for m in req.messages or ()]
+        rendered = self.codec.render_chat(messages)
+        self._check_chars("the rendered chat", len(rendered), req)
+        return self.codec.encode_chat(
+            messages, allow_special_tokens_in_content=req.allow_special_tokens_in_content, rendered=rendered
+        )
+
+    async def _off_loop(self, fn: Callable[[GenerateReq], list[int]], req: GenerateReq, n_chars: int) -> list[int]:
+        """Run ``fn(req)`` on the event loop for a short prompt, else in the tokenizer thread.
+
+        Raises:
+            Overloaded: ``MAX_TOKENIZING`` long prompts already wait for the thread.
+        """
+        if n_chars <= INLINE_TOKENIZE_CHARS:
+            return fn(req)
+        if self.tokenizing >= MAX_TOKENIZING:
+            raise Overloaded(f"{self.tokenizing} long prompts are waiting to be tokenized; retry later")
+        self.tokenizing += 1
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, fn, req)
+        finally:
+            self.tokenizing -= 1
+
+    async def _prompt_ids(self, req: GenerateReq) -> list[int]:
+        """The prompt's token ids. Every length is checked before the prompt is walked or tokenized, and a long
+        prompt is tokenized off the event loop, so a huge request never stalls the streams of others."""
         check_one_prompt(req)
         if req.input_ids is not None:
+            n = len(req.input_ids)
+            budget = self.context_len - req.sampling_params.max_new_tokens
+            if n > budget:  # before looking at any id: a 3,000,000-id prompt costs no more than a short one
+                raise BadRequest(
+                    f"prompt ({n} tokens) + max_new_tokens ({req.sampling_params.max_new_tokens}) exceeds the "
+                    f"context length {self.context_len}"
+                )
             return list(req.input_ids)
         if req.messages is not None:
             if len(req.messages) > self.context_len:
                 raise BadRequest(
                     f"messages has {len(req.messages)} entries; at most {self.context_len} can fit the context"
                 )
-            self._check_chars("the messages' content", sum(len(m.content) for m in req.messages), req)
-            rendered = self.codec.render_chat([{"role": m.role, "content": m.content} for m in req.messages])
-            self._check_chars("the rendered chat", len(rendered), req)
-            return self.codec.encode(rendered)
+            n_chars = sum(len(m.content) for m in req.messages)
+            self._check_chars("the messages' content", n_chars, req)
+            return await self._off_loop(self._chat_ids, req, n_chars)
         text = req.text or ""
         self._check_chars("text", len(text), req)
-        return self.codec.encode(text)
+        # TextCodec encodes through the tokenizers library's batch call, which releases the GIL
+        return await self._off_loop(lambda r: self.codec.encode(r.text or ""), req, len(text))
+
+    def _overloaded(self) -> str | None:
+        """Why a new request must be refused now (None: there is room)."""
+        n = len(self.pending) + len(self.intake)
+        if n >= self.max_queued:
+            return (
+                f"server overloaded: {n} requests are queued or running, the most it takes "
+                f"(--max-queued-requests {self.max_queued}); retry later"
+            )
+        return None
 
     async def generate(self, req: GenerateReq, sink: Sink) -> None:
-        """Validate and submit ``req``; replies go to ``sink``. Never raises for client mistakes."""
+        """Validate and submit ``req``; replies go to ``sink``. Never raises.
+
+        Every request gets exactly one terminal reply: its result (or stream end), or an ``ErrorOut`` —
+        ``overloaded`` when ``--max-queued-requests`` requests are already queued, running or being tokenized.
+        A request aborted (or failed by :meth:`fail_all`) while it is being tokenized is never submitted.
+        """
         client_rid = req.rid or uuid.uuid4().hex
+        key = (id(sink), client_rid)
+        busy = self._overloaded()
+        if busy is not None:
+            sink.send(ErrorOut(client_rid, busy, "overloaded"))
+            return
+        if key in self.by_client or key in self.intake:
+            sink.send(ErrorOut(client_rid, f"request id {client_rid!r} is already running", "bad_request"))
+            return
+        entry = self.intake[key] = Intake(client_rid, sink)
         try:
-            if (id(sink), client_rid) in self.by_client:
-                raise BadRequest(f"request id {client_rid!r} is already running")
             validate_sampling(req, self.context_len, self.vocab_size)
-            ids = self._prompt_ids(req)
+            ids = await self._prompt_ids(req)
             validate_prompt_ids(ids, req.sampling_params.max_new_tokens, self.context_len, self.vocab_size)
             uid = await self.resolve_adapter(req.lora_path)
         except (BadRequest, ChatTemplateError, AdapterRefused) as e:
@@ -154,30 +220,62 @@ class FrontDoor:
         except UnknownAdapter as e:
             sink.send(ErrorOut(client_rid, str(e), "not_found"))
             return
+        except Overloaded as e:
+            sink.send(ErrorOut(client_rid, f"server overloaded: {e}", "overloaded"))
+            return
         except RuntimeError as e:
             sink.send(ErrorOut(client_rid, str(e), "server_error"))
+            return
+        except Exception as e:  # noqa: BLE001 - a bug answers this request, the front door stays up
+            log.exception("request %s failed in the front door", client_rid)
+            sink.send(ErrorOut(client_rid, f"internal error: {type(e).__name__}: {e}", "server_error"))
+            return
+        finally:
+            if self.intake.get(key) is entry:
+                del self.intake[key]
+        if entry.failed is not None:
+            sink.send(ErrorOut(client_rid, entry.failed, "server_error"))
+            return
+        if entry.aborted is not None:  # the same final reply the scheduler gives an aborted request
+            meta = MetaInfo(client_rid, len(ids), 0, FinishReason("abort", message=entry.aborted), req.lora_path)
+            sink.send(GenerateOut(client_rid, "", [], meta, True))
             return
         rid = uuid.uuid4().hex
         msg = TokenizedReq(rid, ids, req.sampling_params, uid, req.stream)
         self.pending[rid] = Pending(
             rid, client_rid, sink, req.stream, IncrementalText(self.codec), len(ids), req.lora_path, msg
         )
-        self.by_client[(id(sink), client_rid)] = rid
+        self.by_client[key] = rid
         self.send(msg)
 
     def abort(self, sink: Sink, client_rid: str, reason: str = "aborted by client") -> None:
         """Abort a request of this client (unknown ids are ignored)."""
-        rid = self.by_client.get((id(sink), client_rid))
-        if rid is not None:
+        key = (id(sink), client_rid)
+        entry = self.intake.get(key)
+        if entry is not None:
+            entry.aborted = entry.aborted or reason
+        rid = self.by_client.get(key)
+        if rid is not None and not self.pending[rid].aborted:
             self.pending[rid].aborted = True
             self.send(AbortRid(rid, reason))
 
-    def abort_sink(self, sink: Sink, reason: str) -> None:
-        """Abort every request whose replies go to ``sink`` (its client went away)."""
+    def abort_sink(self, sink: Sink, reason: str) -> int:
+        """Abort every request whose replies go to ``sink`` (its client went away); returns how many."""
+        n = 0
+        for entry in self.intake.values():
+            if entry.sink is sink and entry.aborted is None:
+                entry.aborted = reason
+                n += 1
         for p in list(self.pending.values()):
-            if p.sink is sink:
+            if p.sink is sink and not p.aborted:
                 p.aborted = True
                 self.send(AbortRid(p.rid, reason))
+                n += 1
+        return n
+
+    def sinks_in_use(self) -> set[Sink]:
+        """Every sink with a request queued, running or being tokenized."""
+        return {p.sink for p in self.pending.values()} | {e.sink for e in self.intake.values()}
 
     def on_tokens(self, msg: BatchTokenOut) -> None:
         """Route one scheduler step's output to the clients."""
@@ -206,9 +304,11 @@ class FrontDoor:
             p.sink.send(ErrorOut(p.client_rid, item.error, item.error_kind))
             return
         fr = item.finish_reason
+        stops = StopText(p.req.sampling.stop_strings(), self.codec)
         if item.finished and fr is not None and fr.type == "stop" and isinstance(fr.matched, str):
-            cut = text.find(fr.matched)
-            text = text[:cut] if cut >= 0 else text
+            text = stops.final(text, p.text.ids)  # cut where the first stop string begins
+        elif not item.finished and stops:
+            text = stops.visible(text, p.text.ids)  # hold back what may still become a stop string
         meta = MetaInfo(
             p.client_rid, item.prompt_tokens, item.completion_tokens, fr if item.finished else None, p.lora_name
         )
@@ -218,101 +318,40 @@ class FrontDoor:
             self.send(AbortRid(p.rid, "client disconnected"))
 
     def fail_all(self, message: str) -> None:
-        """End every pending request with a server error (the cluster is going down)."""
+        """End every pending request with a server error (the cluster is going down); requests still being
+        tokenized get the same error instead of being submitted."""
+        for entry in self.intake.values():
+            entry.failed = entry.failed or message
         for p in list(self.pending.values()):
             p.sink.send(ErrorOut(p.client_rid, message, "server_error"))
         self.pending.clear()
         self.by_client.clear()
 
-    # ------------------------------------------------------------------ LoRA registry
-    def _start_op(self, cmd_factory: Callable[[int], object]) -> tuple[int, asyncio.Future]:
-        """Send a LoRA command now; its result arrives on the returned future. Kept until answered, so a
-        scheduler restart resends it."""
-        op_id = next(self._op_ids)
-        fut = asyncio.get_running_loop().create_future()
-        cmd = cmd_factory(op_id)
-        self._ops[op_id] = fut
-        self._op_cmds[op_id] = cmd
-        self.send(cmd)
-        return op_id, fut
-
-    async def _wait_op(self, op_id: int, fut: asyncio.Future) -> LoraOpResult:
-        try:
-            return await asyncio.wait_for(fut, LORA_OP_TIMEOUT_S)
-        except asyncio.TimeoutError:
-            raise RuntimeError(f"LoRA operation {op_id} got no answer in {LORA_OP_TIMEOUT_S} s") from None
-        finally:
-            self._ops.pop(op_id, None)
-            self._op_cmds.pop(op_id, None)
-
-    async def _op(self, cmd_factory: Callable[[int], object]) -> LoraOpResult:
-        return await self._wait_op(*self._start_op(cmd_factory))
-
-    def on_op_result(self, msg: LoraOpResult) -> None:
-        """Complete the waiting load/unload/list call."""
-        fut = self._ops.get(msg.op_id)
-        if fut is not None and not fut.done():
-            fut.set_result(msg)
+    # ------------------------------------------------------------------ LoRA: delegated to LoraAdmin
+    @property
+    def registry(self) -> LoraRegistry:
+        """The LoRA registry (owned by :attr:`lora`)."""
+        return self.lora.registry
 
     async def load_adapter(self, name: str, path: str, pinned: bool = False, deterministic: bool = False) -> AdminOut:
-        """Load ``name`` on every rank (all or nothing). Raises AdapterRefused for a bad path or config."""
-        if not self.args.enable_lora:
-            raise AdapterRefused("LoRA is not enabled: start the server with --enable-lora")
-        if name in self.registry.loaded:
-            raise AdapterRefused(f"LoRA adapter {name} is already loaded; unload it first")
-        resolved = self.registry.check_path(name, path)
-        victim = self.registry.eviction_victim()
-        if victim is not None:  # host tier full: evict the LRU unpinned adapter, keep it in the ref cache
-            await self._unload_uid(victim.name, victim.uid, forget=False)
-        uid = self.registry.new_uid(name, resolved, deterministic)
-        res = await self._op(lambda op: LoraLoadCmd(op, uid, name, resolved, pinned))
-        if not res.ok:
-            raise AdapterRefused(f"LoRA adapter {name} failed to load: {res.error}")
-        e = self.registry.add(name, uid, resolved, pinned, res.content_hash)
-        return AdminOut(True, f"loaded {name}", {"uid": e.uid, "rank": e.rank})
-
-    async def _unload_uid(self, name: str, uid: str, forget: bool) -> None:
-        self.registry.remove(name, forget=forget)
-        res = await self._op(lambda op: LoraUnloadCmd(op, uid))
-        if not res.ok:
-            raise RuntimeError(f"LoRA adapter {name} failed to unload: {res.error}")
+        """See :meth:`LoraAdmin.load_adapter`."""
+        return await self.lora.load_adapter(name, path, pinned, deterministic)
 
     async def unload_adapter(self, name: str) -> AdminOut:
-        """Unload ``name``: new requests for it fail at once, running ones finish first."""
-        e = self.registry.loaded.get(name)
-        if e is None:
-            self.registry.lookup(name)  # raises the never-loaded error for unknown names
-            self.registry.remove(name)
-            return AdminOut(True, f"{name} was not resident; forgotten")
-        await self._unload_uid(name, e.uid, forget=True)
-        return AdminOut(True, f"unloaded {name}")
+        """See :meth:`LoraAdmin.unload_adapter`."""
+        return await self.lora.unload_adapter(name)
 
     async def resolve_adapter(self, name: str | None) -> str | None:
-        """uid for ``name`` (None = base), reloading it transparently if only the ref cache knows it."""
-        if name is None:
-            return None
-        if not self.args.enable_lora:
-            raise BadRequest(f"lora_path={name!r} given but LoRA is not enabled (start with --enable-lora)")
-        e = self.registry.lookup(name)
-        if e is not None:
-            return e.uid
-        fut = self._reloads.get(name)
-        if fut is None:
-            path, pinned = self.registry.refs[name]
-            log.info("reloading LoRA adapter %s from %s", name, path)
-            fut = asyncio.ensure_future(self.load_adapter(name, path, pinned))
-            self._reloads[name] = fut
-            fut.add_done_callback(lambda _f: self._reloads.pop(name, None))
-        await asyncio.shield(fut)
-        return self.registry.loaded[name].uid
+        """See :meth:`LoraAdmin.resolve_adapter`."""
+        return await self.lora.resolve_adapter(name)
 
     async def list_adapters(self) -> LoraListOut:
-        """Every loaded adapter with the slot each rank holds it in."""
-        res = await self._op(lambda op: LoraSlotsQuery(op))
-        out = []
-        for e in sorted(self.registry.loaded.values(), key=lambda e: e.name):
-            out.append(AdapterInfo(e.name, e.uid, e.path, e.rank, e.pinned, res.slots.get(e.uid, {})))
-        return LoraListOut(out)
+        """See :meth:`LoraAdmin.list_adapters`."""
+        return await self.lora.list_adapters()
+
+    def on_op_result(self, msg: LoraOpResult) -> None:
+        """Complete the waiting LoRA load/unload/list call."""
+        self.lora.on_op_result(msg)
 
     def on_cluster_event(self, ev: ClusterEvent) -> None:
         """Track the TP group's health; forget adapters a worker restart could not restore."""
@@ -324,12 +363,7 @@ class FrontDoor:
         elif ev.kind == "workers_recovered":
             h.unavailable = None
             h.resumed += ev.resumed
-            for lost in ev.lost:
-                e = self.registry.loaded.get(lost.name)
-                if e is None or e.uid == lost.uid:  # never drop a newer load of the same name
-                    self.registry.remove(lost.name, forget=True)
-                h.adapters_lost += 1
-                log.error("LoRA adapter %s could not be restored and was removed: %s", lost.name, lost.reason)
+            self.lora.on_lost(ev.lost)
             log.info("%s: %d requests resumed, adapters restored %s", ev.message, ev.resumed, ev.restored)
         elif ev.kind == "fatal":
             log.error("cluster error: %s", ev.message)
@@ -338,77 +372,24 @@ class FrontDoor:
 
     # ------------------------------------------------------------------ restarts: one view of the adapters
     def on_cluster_view(self, view: ClusterView) -> None:
-        """Reconcile the registry with the adapters the workers hold, and resubmit after a scheduler restart.
-
-        - An adapter the workers hold but the registry lacks (this front door restarted and rebuilds its
-          registry) is adopted if its files still hold the same content; otherwise it is unloaded and reported.
-        - An adapter the registry holds but the workers lack is restored under the same uid (the ranks check
-          the content hash); if that fails it is removed, and its requests fail as never loaded.
-        - A new scheduler incarnation lost every request and LoRA command in flight: resubmit them, each
-          request with the tokens its client already has, so it continues where it stopped.
-        """
+        """Reconcile the LoRA registry with the adapters the workers hold (:meth:`LoraAdmin.on_cluster_view`);
+        after a scheduler restart resubmit every pending request, each with the tokens its client already has,
+        so it continues where it stopped."""
         self.health.merge_restarts(view.restarts)
+        # a scheduler that restarted while the TP group was being replaced never sends that group's recovery
+        # event: its view says whether the group serves
+        if view.serving and (self.health.unavailable or "").startswith("TP group restarting"):
+            self.health.unavailable = None
         restarted = self.sched_incarnation is not None and view.scheduler_incarnation != self.sched_incarnation
         self.sched_incarnation = view.scheduler_incarnation
-        held = {a.uid for a in view.adapters}
-        known = {e.uid for e in self.registry.loaded.values()}
-        for a in view.adapters:
-            if a.uid not in known:
-                self._adopt(a)
-        restores = []
-        for e in list(self.registry.loaded.values()):
-            if e.uid not in held:
-                log.warning("LoRA registry out of sync: the workers lack %s (uid %s); restoring it", e.name, e.uid)
-                restores.append((e, self._start_op(lambda op, e=e: self._restore_cmd(op, e))))
-        if restarted:
-            for p in list(self.pending.values()):
-                r = p.req
-                self.send(TokenizedReq(r.rid, r.input_ids, r.sampling, r.lora_uid, r.stream, list(p.text.ids), True))
-                if p.aborted:
-                    self.send(AbortRid(p.rid, "aborted by client"))
-            for op_id, cmd in sorted(self._op_cmds.items()):
-                if all(op_id != x[1][0] for x in restores):
-                    self.send(cmd)
-            log.warning(
-                "scheduler restarted: resubmitted %d requests and %d LoRA commands",
-                len(self.pending),
-                len(self._op_cmds),
-            )
-        for e, (op_id, fut) in restores:
-            asyncio.ensure_future(self._finish_restore(e, op_id, fut))
+        self.lora.on_cluster_view(view, restarted, self._resubmit_pending)
         self.synced.set()
 
-    @staticmethod
-    def _restore_cmd(op_id: int, e) -> LoraLoadCmd:
-        return LoraLoadCmd(op_id, e.uid, e.name, e.path, e.pinned, e.content_hash)
-
-    def _adopt(self, a: AdapterState) -> None:
-        reason = None
-        try:
-            if adapter_content_hash(a.path, a.name) != a.content_hash:
-                reason = f"the files in {a.path} changed since it was loaded"
-            elif a.name in self.registry.loaded:
-                reason = f"the name {a.name} belongs to uid {self.registry.loaded[a.name].uid}"
-            else:
-                self.registry.add(a.name, a.uid, a.path, a.pinned, a.content_hash)
-                log.info("LoRA registry: %s (uid %s) rebuilt from the workers", a.name, a.uid)
-                return
-        except LoraConfigError as e:
-            reason = str(e)
-        log.error("LoRA adapter %s (uid %s) is no longer valid and is unloaded: %s", a.name, a.uid, reason)
-        self.health.adapters_lost += 1
-        if a.name not in self.registry.loaded:
-            self.registry.refs.pop(a.name, None)
-        self._start_op(lambda op: LoraUnloadCmd(op, a.uid))  # answered later; nobody waits for it
-
-    async def _finish_restore(self, e, op_id: int, fut: asyncio.Future) -> None:
-        try:
-            res = await self._wait_op(op_id, fut)
-        except RuntimeError as err:
-            res = LoraOpResult(op_id, False, str(err))
-        cur = self.registry.loaded.get(e.name)
-        if res.ok or cur is None or cur.uid != e.uid:
-            return
-        self.registry.remove(e.name, forget=True)
-        self.health.adapters_lost += 1
-        log.error("LoRA adapter %s could not be restored and was removed: %s", e.name, res.error)
+    def _resubmit_pending(self) -> int:
+        """Send every pending request again to a new scheduler; returns how many."""
+        for p in list(self.pending.values()):
+            r = p.req
+            self.send(TokenizedReq(r.rid, r.input_ids, r.sampling, r.lora_uid, r.stream, list(p.text.ids), True))
+            if p.aborted:
+                self.send(AbortRid(p.rid, "aborted by client"))
+        return len(self.pending)

@@ -60,7 +60,7 @@ BODY_TIMEOUT_S = 60.0
 READ_CHUNK = 64 * 1024
 PIPELINE_CAP = MAX_BODY_BYTES  # bytes we buffer from a client while its previous request runs
 
-KIND_STATUS = {"bad_request": 400, "not_found": 404, "server_error": 500}
+KIND_STATUS = {"bad_request": 400, "not_found": 404, "overloaded": 503, "server_error": 500}
 _TOKEN = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 _VERSION = re.compile(rb"HTTP/(\d)\.(\d)")
 _JSON = "application/json"

@@ -4,6 +4,17 @@ A uid is minted per load (a uuid4; for ``--lora-paths`` adapters a deterministic
 so reloading a name from a new path never reaches slots or caches keyed by the old uid. The *ref cache*
 remembers every name ever loaded with its path, so an adapter evicted from the host tier or lost in a worker
 restart is reloaded transparently the next time a request names it.
+
+Every adapter name goes through one state machine, and every path (explicit load and unload, reload by a
+request, host-tier eviction, failover restore, adoption and loss) changes a name only through its methods::
+
+    gone/known --begin_load--> loading --finish_load--> loaded --begin_unload--> unloading --finish_unload--> gone
+                                  (failed: back to gone/known)     (evict: ends known; restore: loaded -> loading)
+    known --forget--> gone        gone/known --adopt--> loaded     loaded --lose--> gone
+
+``known`` is the ref cache: an adapter evicted from the host tier, not resident on the workers. While a name is
+``loading`` or ``unloading`` its :class:`Transition` says why (``load``, ``reload``, ``restore``, ``unload``,
+``evict``) and which uid is in flight, so the uids the workers may hold are always ones the registry tracks.
 """
 
 from __future__ import annotations
@@ -11,8 +22,13 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 from ipc.lora_config import LoraConfigError, never_loaded_message, read_adapter_config
+
+State = Literal["gone", "known", "loading", "loaded", "unloading"]
+Kind = Literal["load", "reload", "restore", "unload", "evict"]
+LOADING_KINDS = ("load", "reload", "restore")
 
 
 class UnknownAdapter(LookupError):
@@ -21,6 +37,10 @@ class UnknownAdapter(LookupError):
 
 class AdapterRefused(ValueError):
     """A load was refused before it reached the workers (bad path, outside --lora-root, bad config)."""
+
+
+class IllegalTransition(RuntimeError):
+    """A caller asked for a state change the name's current state does not allow (a bug, never a user error)."""
 
 
 @dataclass
@@ -36,63 +56,89 @@ class Entry:
     content_hash: str = ""  # sha256 of the files every rank read at the first load (restores check it)
 
 
+@dataclass
+class Transition:
+    """A change of one name in flight: why, and the adapter (uid) the workers are loading or dropping."""
+
+    kind: Kind
+    uid: str
+    path: str
+    pinned: bool
+    rank: int
+    content_hash: str = ""
+    forget: bool = False  # the adapter was lost meanwhile: the name ends "gone" whatever the outcome
+
+    @property
+    def explicit(self) -> bool:
+        """Whether a client asked for it (load/unload); reloads, restores and evictions are the cluster's own."""
+        return self.kind in ("load", "unload")
+
+    @property
+    def state(self) -> State:
+        """``loading`` or ``unloading``."""
+        return "loading" if self.kind in LOADING_KINDS else "unloading"
+
+    def describe(self, name: str) -> str:
+        """What is happening to ``name``, for messages (``LoRA adapter a is being loaded``)."""
+        what = {
+            "load": "being loaded",
+            "reload": "being reloaded for a request",
+            "restore": "being restored on the workers",
+            "unload": "being unloaded",
+            "evict": "being evicted from host memory",
+        }[self.kind]
+        return f"LoRA adapter {name} is {what}"
+
+
 def stable_uid(name: str, path: str) -> str:
     """Deterministic uid for start-up adapters (same name + path -> same uid in every run)."""
     return str(uuid.uuid5(uuid.NAMESPACE_URL, f"loom-lora:{name}:{path}"))
 
 
 class LoraRegistry:
-    """Name -> adapter table plus the ref cache. Holds no sockets; the front door drives it."""
+    """Name -> adapter table, the ref cache and each name's transition in flight. Holds no sockets and never
+    waits: the front door's :class:`~tokenizer_proc.lora_admin.LoraAdmin` drives it.
 
-    def __init__(self, *, lora_root: str = "", max_lora_rank: int = 64, max_loaded: int = 0) -> None:
+    Storage: ``loaded`` holds the entries of ``loaded`` names (and of names being restored, which keep serving
+    their uid); ``refs`` holds (path, pinned) of every name not forgotten; ``transitions`` the busy names.
+    """
+
+    def __init__(
+        self,
+        *,
+        lora_root: str = "",
+        max_lora_rank: int = 64,
+        max_loaded: int = 0,
+        max_slots: int = 0,
+        tie_word_embeddings: bool | None = None,
+    ) -> None:
+        self.tied = tie_word_embeddings  # names the reason when an adapter targets lm_head / embed_tokens
         self.root = Path(lora_root).resolve() if lora_root else None
         self.max_lora_rank = max_lora_rank
         self.max_loaded = max_loaded
+        self.max_slots = max_slots  # --max-loras-per-batch: pinned adapters must leave one slot free (0 = unchecked)
         self.loaded: dict[str, Entry] = {}
         self.refs: dict[str, tuple[str, bool]] = {}  # name -> (path, pinned), kept after unload by eviction
+        self.transitions: dict[str, Transition] = {}
         self._clock = 0
 
-    def check_path(self, name: str, path: str) -> str:
-        """Resolve ``path``; refuse it outside ``--lora-root`` or without a valid adapter config.
+    # ------------------------------------------------------------------ queries
+    def state(self, name: str) -> State:
+        """The name's state: ``gone``, ``known`` (ref cache only), ``loading``, ``loaded`` or ``unloading``."""
+        t = self.transitions.get(name)
+        if t is not None:
+            return t.state
+        if name in self.loaded:
+            return "loaded"
+        return "known" if name in self.refs else "gone"
 
-        Returns the resolved path. Raises AdapterRefused naming the adapter and the problem.
-        """
-        if not name or "/" in name:
-            raise AdapterRefused(f"LoRA adapter name {name!r} must be non-empty and contain no '/'")
-        p = Path(path).expanduser().resolve()
-        if self.root is not None and not p.is_relative_to(self.root):
-            raise AdapterRefused(f"LoRA adapter {name}: path {path} is outside the allowed root {self.root}")
-        try:
-            cfg = read_adapter_config(p, name)
-        except LoraConfigError as e:
-            raise AdapterRefused(str(e)) from None
-        if cfg.max_rank() > self.max_lora_rank:
-            raise AdapterRefused(
-                f"LoRA adapter {name}: rank {cfg.max_rank()} exceeds --max-lora-rank {self.max_lora_rank}"
-            )
-        return str(p)
+    def busy(self, name: str) -> Transition | None:
+        """The transition of ``name`` in flight, if any."""
+        return self.transitions.get(name)
 
-    def new_uid(self, name: str, path: str, deterministic: bool = False) -> str:
-        """A fresh uid for a load of ``name`` from ``path``."""
-        return stable_uid(name, path) if deterministic else str(uuid.uuid4())
-
-    def add(self, name: str, uid: str, path: str, pinned: bool, content_hash: str = "") -> Entry:
-        """Record a load every rank confirmed.
-
-        Raises:
-            LoraConfigError: the adapter's config can no longer be read (its folder changed meanwhile).
-        """
-        rank = read_adapter_config(Path(path), name).max_rank()
-        e = Entry(name, uid, path, rank, pinned, self._tick(), content_hash)
-        self.loaded[name] = e
-        self.refs[name] = (path, pinned)
-        return e
-
-    def remove(self, name: str, forget: bool = True) -> Entry | None:
-        """Drop ``name``; ``forget`` also drops it from the ref cache (an explicit unload)."""
-        if forget:
-            self.refs.pop(name, None)
-        return self.loaded.pop(name, None)
+    def tracked_uids(self) -> set[str]:
+        """Every uid the workers may hold: loaded ones and those of transitions in flight."""
+        return {e.uid for e in self.loaded.values()} | {t.uid for t in self.transitions.values()}
 
     def lookup(self, name: str) -> Entry | None:
         """The loaded entry for ``name``, or None if only the ref cache knows it (reload needed).
@@ -106,14 +152,149 @@ class LoraRegistry:
             return e
         if name in self.refs:
             return None
-        raise UnknownAdapter(never_loaded_message(name, list(self.loaded)))
+        raise self.unknown(name)
 
-    def eviction_victim(self) -> Entry | None:
-        """Least recently used unpinned adapter when the host tier is over ``max_loaded`` (else None)."""
-        if not self.max_loaded or len(self.loaded) < self.max_loaded:
+    def unknown(self, name: str) -> UnknownAdapter:
+        """The never-loaded error for ``name``, listing the loaded adapters."""
+        return UnknownAdapter(never_loaded_message(name, list(self.loaded)))
+
+    def check_adapter(self, name: str, path: str) -> tuple[str, int]:
+        """Resolve ``path``; refuse it outside ``--lora-root`` or without a valid adapter config.
+
+        Returns the resolved path and the adapter's largest rank. Raises AdapterRefused naming the adapter and
+        the problem.
+        """
+        if not name or "/" in name:
+            raise AdapterRefused(f"LoRA adapter name {name!r} must be non-empty and contain no '/'")
+        p = Path(path).expanduser().resolve()
+        if self.root is not None and not p.is_relative_to(self.root):
+            raise AdapterRefused(f"LoRA adapter {name}: path {path} is outside the allowed root {self.root}")
+        try:
+            cfg = read_adapter_config(p, name, tie_word_embeddings=self.tied)
+        except LoraConfigError as e:
+            raise AdapterRefused(str(e)) from None
+        if cfg.max_rank() > self.max_lora_rank:
+            raise AdapterRefused(
+                f"LoRA adapter {name}: rank {cfg.max_rank()} exceeds --max-lora-rank {self.max_lora_rank}"
+            )
+        return str(p), cfg.max_rank()
+
+    def pin_refusal(self, name: str, pinned: bool) -> str | None:
+        """Why pinning ``name`` must be refused (it would leave no unpinned slot), or None. The ranks refuse the
+        same; asking first means a refused pin never evicts anything."""
+        if not pinned or not self.max_slots:
             return None
-        cands = sorted((e for e in self.loaded.values() if not e.pinned), key=lambda e: (e.last_used, e.uid))
-        return cands[0] if cands else None
+        held = {n for n, e in self.loaded.items() if e.pinned} | {n for n, t in self.transitions.items() if t.pinned}
+        held.discard(name)
+        if len(held) + 1 < self.max_slots:
+            return None
+        return (
+            f"LoRA adapter {name}: pinning it would leave no free slot of {self.max_slots} for other adapters "
+            f"(pinned: {sorted(held)})"
+        )
+
+    def eviction_victim(self, keep: str | None = None) -> Entry | None:
+        """The least recently used unpinned, idle adapter other than ``keep`` while the host tier holds more than
+        ``max_loaded`` adapters (else None)."""
+        if not self.max_loaded or len(self.loaded) <= self.max_loaded:
+            return None
+        cands = [e for n, e in self.loaded.items() if not e.pinned and n != keep and n not in self.transitions]
+        return min(cands, key=lambda e: (e.last_used, e.uid), default=None)
+
+    def new_uid(self, name: str, path: str, deterministic: bool = False) -> str:
+        """A fresh uid for a load of ``name`` from ``path``."""
+        return stable_uid(name, path) if deterministic else str(uuid.uuid4())
+
+    # ------------------------------------------------------------------ transitions
+    def _expect(self, name: str, allowed: tuple[State, ...], what: str) -> State:
+        st = self.state(name)
+        if st not in allowed:
+            raise IllegalTransition(f"LoRA adapter {name}: cannot {what} while {st}")
+        return st
+
+    def begin_load(self, name: str, uid: str, path: str, pinned: bool, rank: int, kind: Kind = "load") -> Transition:
+        """gone/known -> loading: ``uid`` is on its way to the workers (an explicit load or a reload)."""
+        if kind not in ("load", "reload"):
+            raise IllegalTransition(f"LoRA adapter {name}: {kind} is not a load")
+        self._expect(name, ("gone", "known"), kind)
+        t = self.transitions[name] = Transition(kind, uid, path, pinned, rank)
+        return t
+
+    def begin_restore(self, name: str) -> Transition:
+        """loaded -> loading under the same uid (the workers lost it); requests keep resolving to that uid."""
+        self._expect(name, ("loaded",), "restore")
+        e = self.loaded[name]
+        t = self.transitions[name] = Transition("restore", e.uid, e.path, e.pinned, e.rank, e.content_hash)
+        return t
+
+    def finish_load(self, name: str, ok: bool, content_hash: str = "") -> Entry | None:
+        """loading -> loaded (``ok``), or back where it was (a failed load or reload: gone/known; a failed or
+        lost restore: gone). Returns the loaded entry, or None."""
+        t = self.transitions.get(name)
+        if t is None or t.state != "loading":
+            raise IllegalTransition(f"LoRA adapter {name}: no load in flight")
+        del self.transitions[name]
+        if t.kind == "restore":
+            if ok and not t.forget:
+                return self.loaded[name]
+            self.loaded.pop(name, None)
+            self.refs.pop(name, None)
+            return None
+        if not ok:
+            return None
+        e = Entry(name, t.uid, t.path, t.rank, t.pinned, self._tick(), content_hash)
+        self.loaded[name] = e
+        self.refs[name] = (t.path, t.pinned)
+        return e
+
+    def begin_unload(self, name: str, evict: bool = False) -> Transition:
+        """loaded -> unloading: new requests no longer get its uid (an eviction's wait for it to end)."""
+        self._expect(name, ("loaded",), "evict" if evict else "unload")
+        e = self.loaded.pop(name)
+        t = Transition("evict" if evict else "unload", e.uid, e.path, e.pinned, e.rank, e.content_hash)
+        self.transitions[name] = t
+        return t
+
+    def finish_unload(self, name: str) -> State:
+        """unloading -> gone (an explicit unload, or an adapter lost meanwhile) or known (an eviction)."""
+        t = self.transitions.get(name)
+        if t is None or t.state != "unloading":
+            raise IllegalTransition(f"LoRA adapter {name}: no unload in flight")
+        del self.transitions[name]
+        if t.kind == "unload" or t.forget:
+            self.refs.pop(name, None)
+        return self.state(name)
+
+    def forget(self, name: str) -> None:
+        """known -> gone: drop a name only the ref cache knows."""
+        self._expect(name, ("known",), "forget")
+        del self.refs[name]
+
+    def adopt(self, name: str, uid: str, path: str, pinned: bool, content_hash: str) -> Entry:
+        """gone/known -> loaded: an adapter the workers hold (a restarted front door rebuilds its registry).
+
+        Raises:
+            LoraConfigError: the adapter's config can no longer be read.
+        """
+        self._expect(name, ("gone", "known"), "adopt")
+        rank = read_adapter_config(Path(path), name, tie_word_embeddings=self.tied).max_rank()
+        e = Entry(name, uid, path, rank, pinned, self._tick(), content_hash)
+        self.loaded[name] = e
+        self.refs[name] = (path, pinned)
+        return e
+
+    def lose(self, name: str, uid: str) -> None:
+        """Adapter ``uid`` could not be restored after a worker restart: the name ends ``gone`` (at once, or
+        when its transition in flight for that uid ends). A newer load of the name is never touched."""
+        t = self.transitions.get(name)
+        if t is not None:
+            if t.uid == uid:
+                t.forget = True
+            return
+        e = self.loaded.get(name)
+        if e is None or e.uid == uid:
+            self.loaded.pop(name, None)
+            self.refs.pop(name, None)
 
     def _tick(self) -> int:
         self._clock += 1
