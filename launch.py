@@ -32,6 +32,7 @@ from ipc.config import LoraSpec, ServerArgs, free_tcp_port, make_endpoints
 from ipc.messages import Heartbeat, ProcFailed, ProcReady, RestartWorkers, ToSchedulerMsg, WorkersRestarting
 from ipc.model_config import UnsupportedModelError, load_model_config
 from ipc.model_source import ModelSourceError, resolve_model_path
+from ipc.proc import STOP_MARKER
 from ipc.sockets import CONTROL_CODEC, make_socket
 
 ROOT = Path(__file__).resolve().parent
@@ -406,6 +407,8 @@ class Cluster:
     def stop(self, grace_s: float = 10.0) -> None:
         """SIGTERM the tokenizer, scheduler and workers, SIGKILL stragglers, remove every socket file."""
         order = ["tokenizer_proc", "scheduler_proc"] + [n for n in self.procs if n.startswith("gpu_worker")]
+        with contextlib.suppress(OSError):  # tells the front door to answer in-flight requests "shutting down"
+            (Path(self.args.endpoints.socket_dir) / STOP_MARKER).touch()
         for name in order:
             p = self.procs.get(name)
             if p is not None and p.poll() is None:

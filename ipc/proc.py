@@ -84,6 +84,15 @@ def child_setup(name: str) -> tuple[ServerArgs, argparse.Namespace]:
     return args, ns
 
 
+STOP_MARKER = "stopping"  # written into the socket folder by the launcher before it stops the cluster
+
+
+def cluster_stopping(args: ServerArgs) -> bool:
+    """Whether the whole cluster is going away (the launcher is stopping it, or is dead), as opposed to this
+    process alone being stopped (the launcher will restart it)."""
+    return launcher_gone() or os.path.exists(os.path.join(args.endpoints.socket_dir, STOP_MARKER))
+
+
 def begin_cleanup(args: ServerArgs) -> None:
     """Start of a child's shutdown: ignore further SIGTERMs (the launcher may send one while we are already
     stopping, e.g. after a ShutdownCmd) and, if the launcher is gone (killed with SIGKILL), remove the

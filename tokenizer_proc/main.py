@@ -56,7 +56,7 @@ from ipc.messages import (
     ToTokenizerMsg,
     UnloadLoraReq,
 )
-from ipc.proc import begin_cleanup, child_setup
+from ipc.proc import begin_cleanup, child_setup, cluster_stopping
 from ipc.sockets import (
     HEARTBEAT_INTERVAL_S,
     MAX_FRAME_BYTES,
@@ -467,8 +467,11 @@ class FrontDoorServer:
         )
         await self.stop.wait()
         # no ShutdownCmd to the scheduler: the launcher stops every process itself when the cluster stops, and a
-        # SIGTERM to this process alone must restart only the front door, not cascade through the cluster
-        self.door.fail_all("server shutting down")
+        # SIGTERM to this process alone must restart only the front door, not cascade through the cluster. Only
+        # when the cluster goes away are in-flight requests told so; otherwise the launcher restarts this front
+        # door and the clients resubmit them
+        if cluster_stopping(self.args):
+            self.door.fail_all("server shutting down")
         for t in tasks:
             t.cancel()
         if http is not None:
