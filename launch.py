@@ -37,6 +37,7 @@ from ipc.sockets import CONTROL_CODEC, make_socket
 
 ROOT = Path(__file__).resolve().parent
 CONTROL_SCHED_CODEC: Codec = Codec(ToSchedulerMsg)
+SERVICE_START_GRACE_S = 20.0  # seconds a (re)started scheduler/tokenizer may take to send its first heartbeat
 FATAL_EXIT_CODE = 3  # a child that exits with this code must not be restarted (scheduler_proc.main)
 DEFAULT_ENDPOINT = "ipc:///tmp/loom.sock"
 log = logging.getLogger("launch")
@@ -230,6 +231,9 @@ class Cluster:
     def _spawn_service(self, name: str) -> None:
         extra = ["--incarnation", str(self.incarnations[name]), "--restarts", json.dumps(self.restarts)]
         self._spawn(name, f"{name}.main", extra)
+        # watched from the start: one that hangs before its first heartbeat is found too (after a start-up grace
+        # for its imports)
+        self.heartbeats[name] = time.monotonic() + SERVICE_START_GRACE_S
 
     def wait_ready(self) -> None:
         """Block until all processes are READY. Raises RuntimeError naming the process that failed or hung."""
@@ -245,6 +249,8 @@ class Cluster:
             msg = self._recv_control(500)
             if isinstance(msg, ProcFailed):
                 raise RuntimeError(f"{msg.name} failed to start: {msg.error}")
+            if isinstance(msg, Heartbeat):
+                self._on_heartbeat(msg)
             if isinstance(msg, ProcReady):
                 waiting.discard(msg.name)
                 log.info("%s ready (pid %d) %s", msg.name, msg.pid, msg.facts)
@@ -289,9 +295,7 @@ class Cluster:
             elif isinstance(msg, ProcFailed):
                 log.error("%s failed to start: %s", msg.name, msg.error)
             elif isinstance(msg, Heartbeat):
-                p = self.procs.get(msg.name)
-                if p is not None and p.pid == msg.pid:
-                    self.heartbeats[msg.name] = time.monotonic()
+                self._on_heartbeat(msg)
             msg = self._recv_control(0)
         self._check_heartbeats()
         dead = self.dead()
@@ -304,6 +308,11 @@ class Cluster:
             self.restart_group(name, f"{name} exited with code {describe_exit(code)}", code)
         else:
             self.restart_service(name, code)
+
+    def _on_heartbeat(self, msg: Heartbeat) -> None:
+        p = self.procs.get(msg.name)
+        if p is not None and p.pid == msg.pid:  # not a late beat of a process already replaced
+            self.heartbeats[msg.name] = time.monotonic()
 
     def _check_heartbeats(self) -> None:
         """SIGKILL a scheduler or tokenizer whose heartbeats stopped (SIGSTOP, a deadlock): it is then
