@@ -531,3 +531,14 @@ def decode_step_seconds(endpoint: str, n: int = 9) -> float:
     with LoomClient(endpoint, timeout_s=120) as c:
         times = [time.monotonic() for _ in c.generate(text="Count: 1, 2, 3,", sampling_params=sp, stream=True)]
     return (times[-1] - times[0]) / (len(times) - 1)
+
+
+class ListSink:
+    """Collects replies."""
+
+    def __init__(self) -> None:
+        self.msgs: list[object] = []
+
+    def send(self, msg: object) -> bool:
+        self.msgs.append(msg)
+        return True

@@ -11,7 +11,7 @@ import asyncio
 
 import msgspec
 import pytest
-from loom_helpers import PROMPTS
+from loom_helpers import PROMPTS, ListSink
 
 from ipc.messages import GenerateReq, TokenizedReq
 from tokenizer_proc.text import ChatTemplateError, TextCodec
@@ -168,17 +168,6 @@ def test_template_that_slices_content(tmp_path, model_path):
 
 
 # ----------------------------------------------------------------------------- the front door uses it
-
-
-class ListSink:
-    """Collects replies."""
-
-    def __init__(self) -> None:
-        self.msgs: list[object] = []
-
-    def send(self, msg: object) -> bool:
-        self.msgs.append(msg)
-        return True
 
 
 def submitted_ids(model_path, body: dict) -> list[int]:

@@ -15,6 +15,7 @@ import random
 import socket
 
 import pytest
+from loom_helpers import ListSink
 
 from ipc.messages import (
     BatchTokenOut,
@@ -192,17 +193,6 @@ def test_every_chunk_is_a_prefix_of_the_final_text(text_codec, detok, seed):
 
 
 # ----------------------------------------------------------------------------- front door + scheduler in process
-
-
-class ListSink:
-    """Collects replies."""
-
-    def __init__(self) -> None:
-        self.msgs: list[object] = []
-
-    def send(self, msg: object) -> bool:
-        self.msgs.append(msg)
-        return True
 
 
 class Pipeline:

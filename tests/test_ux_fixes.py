@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import zmq
 import zmq.asyncio
+from loom_helpers import ListSink
 
 import launch
 from ipc import model_source
@@ -129,15 +130,6 @@ def test_describe_exit_names_the_signal():
 
 
 # ---------------------------------------------------------------- front door
-class ListSink:
-    """Collects replies."""
-
-    def __init__(self) -> None:
-        self.msgs: list[object] = []
-
-    def send(self, msg: object) -> bool:
-        self.msgs.append(msg)
-        return True
 
 
 @pytest.fixture(scope="module")
