@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Callable, Protocol
 
 import torch
 import torch.distributed as dist
@@ -123,6 +123,10 @@ class LlamaShard:
         device = weights["embed"].device
         self.inv_freq = rope_inv_freq(cfg).to(device)
         self.upcast_min_rows = _bf16_upcast_threshold(weights["embed"])
+        # the TP all-reduce (in place, sum over ranks); a same-host shared-memory reducer may replace it
+        self.all_reduce_fn: Callable[[torch.Tensor], None] | None = None
+        if self.tp > 1:
+            self.all_reduce_fn = lambda t: dist.all_reduce(t, group=group)
 
     def _mm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """``x @ w.T``; on CPUs without fast bf16 GEMM, batches of many rows compute in fp32."""
@@ -131,8 +135,8 @@ class LlamaShard:
         return x @ w.T
 
     def _all_reduce(self, t: torch.Tensor) -> torch.Tensor:
-        if self.tp > 1:
-            dist.all_reduce(t, group=self.group)
+        if self.all_reduce_fn is not None:
+            self.all_reduce_fn(t)
         return t
 
     def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
