@@ -55,6 +55,11 @@ class MetaInfo(msgspec.Struct):
     completion_tokens: int
     finish_reason: FinishReason | None = None
     lora_path: str | None = None
+    # with GenerateReq.return_logprob: one [logprob, token_id] per generated token (fp32 log-softmax of the
+    # logits the token was sampled from, before temperature/top-p), and with top_logprobs_num = k > 0 the
+    # k most likely [logprob, token_id] pairs at each position (SGLang's names)
+    output_token_logprobs: list[tuple[float, int]] | None = None
+    output_top_logprobs: list[list[tuple[float, int]]] | None = None
 
 
 class AdapterState(msgspec.Struct, array_like=True):
@@ -92,6 +97,8 @@ class GenerateReq(msgspec.Struct, tag=True, forbid_unknown_fields=True):
     lora_path: str | None = None
     rid: str | None = None
     allow_special_tokens_in_content: bool = False  # chat: special-token text in content becomes control tokens
+    return_logprob: bool = False  # meta_info gets output_token_logprobs (and output_top_logprobs, see below)
+    top_logprobs_num: int = 0  # 0..20 most likely alternatives per generated token
 
 
 class AbortReq(msgspec.Struct, tag=True, forbid_unknown_fields=True):
