@@ -31,12 +31,28 @@ class LoraApplier(Protocol):
 
 
 @dataclass
+class DecodeGroup:
+    """Decode rows (one new token each) attended together: one KV gather and one SDPA call.
+
+    ``token_index`` ``[G]`` int64: the rows' token offsets in the step. ``kv_slots`` ``[G * L]`` int64: each
+    row's KV slots for positions ``0..L-1`` (``L`` = the group's longest history), flattened row-major.
+    ``mask`` ``[G, 1, 1, L]`` bool (True = attend), None when every row has exactly ``L`` positions.
+    """
+
+    token_index: torch.Tensor
+    kv_slots: torch.Tensor
+    length: int
+    mask: torch.Tensor | None
+
+
+@dataclass
 class StepInputs:
     """Tensors for one forward step (``T`` packed tokens, ``B`` requests in plan order).
 
     input_ids, positions, out_slots: ``[T]`` int64. ``seq_lens`` (prefix + new), ``ext_lens`` (new tokens),
     ``req_idx``: per-request Python lists. ``decode_rows`` lists the requests with one new token and a
-    non-empty prefix, attended to in one batched gather; the rest are attended one by one.
+    non-empty prefix; they are attended in ``decode_groups`` (rows of similar length, so that padding stays
+    small); the rest are attended one by one.
     """
 
     input_ids: torch.Tensor
@@ -46,9 +62,7 @@ class StepInputs:
     prefix_lens: list[int]
     ext_lens: list[int]
     decode_rows: list[int]
-    decode_token_index: torch.Tensor  # [Bd] token offsets of decode rows
-    decode_table: torch.Tensor | None  # [Bd, Lmax] KV slots
-    decode_mask: torch.Tensor | None  # [Bd, 1, 1, Lmax] bool, True = attend
+    decode_groups: list[DecodeGroup]
     last_token_index: torch.Tensor  # [B] offset of each request's last token
 
 
@@ -159,7 +173,7 @@ class LlamaShard:
                     mask = None
                 else:
                     slots = kv.req_to_token[s.req_idx[b], : pre + ext]
-                    kb, vb = kc[slots], vc[slots]
+                    kb, vb = kc.index_select(0, slots), vc.index_select(0, slots)
                     mask = torch.ones(ext, pre + ext, dtype=torch.bool, device=q.device).tril(pre)
                 ob = F.scaled_dot_product_attention(
                     qb[None],
@@ -172,15 +186,16 @@ class LlamaShard:
                 )
                 out[offset : offset + ext] = ob[0].transpose(0, 1)
             offset += ext
-        if s.decode_rows:
-            idx = s.decode_token_index
-            qd = q[idx][:, :, None, :]  # [Bd, nq, 1, d]
-            kd = kc[s.decode_table].transpose(1, 2)  # [Bd, nkv, L, d]
-            vd = vc[s.decode_table].transpose(1, 2)
-            if len(s.decode_rows) >= self.upcast_min_rows:  # slow bf16 kernels on this CPU: attend in fp32
+        for g in s.decode_groups:
+            # index_select copies whole [nkv, d] rows; advanced indexing (kc[table]) is several times slower
+            n = g.token_index.shape[0]
+            kd = kc.index_select(0, g.kv_slots).view(n, g.length, self.nkv, self.d).transpose(1, 2)
+            vd = vc.index_select(0, g.kv_slots).view(n, g.length, self.nkv, self.d).transpose(1, 2)
+            qd = q[g.token_index][:, :, None, :]  # [G, nq, 1, d]
+            if n >= self.upcast_min_rows:  # slow bf16 kernels on this CPU: attend in fp32
                 qd, kd, vd = qd.float(), kd.float(), vd.float()
-            od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=s.decode_mask, scale=scale, enable_gqa=True)
-            out[idx] = od[:, :, 0, :].to(out.dtype)
+            od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=g.mask, scale=scale, enable_gqa=True)
+            out[g.token_index] = od[:, :, 0, :].to(out.dtype)
         return out.reshape(q.shape[0], self.nq * self.d)
 
     @torch.inference_mode()

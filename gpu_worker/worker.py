@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from gpu_worker.kv_cache import KVCache
-from gpu_worker.model import LlamaShard, StepInputs
+from gpu_worker.model import DecodeGroup, LlamaShard, StepInputs
 from gpu_worker.sampling import sample_rows
 from gpu_worker.tp_plan import make_shard_plan
 from gpu_worker.weights import load_shard
@@ -138,13 +138,7 @@ class Worker:
             pos.extend(range(r.prefix_len, r.prefix_len + n))
             slots.extend(r.out_slots)
             last.append(len(ids) - 1)
-        table = mask = None
-        if decode_rows:
-            lens = torch.tensor([fb.reqs[b].prefix_len + 1 for b in decode_rows], device=dev)
-            lmax = int(lens.max())
-            rows = torch.tensor([fb.reqs[b].req_idx for b in decode_rows], device=dev)
-            table = self.kv.req_to_token[rows, :lmax]
-            mask = (torch.arange(lmax, device=dev)[None, :] < lens[:, None])[:, None, None, :]
+        groups = self._decode_groups(fb, decode_rows, decode_tok)
         return StepInputs(
             input_ids=torch.tensor(ids, dtype=torch.int64, device=dev),
             positions=torch.tensor(pos, dtype=torch.int64, device=dev),
@@ -153,21 +147,64 @@ class Worker:
             prefix_lens=[r.prefix_len for r in fb.reqs],
             ext_lens=[len(r.input_ids) for r in fb.reqs],
             decode_rows=decode_rows,
-            decode_token_index=torch.tensor(decode_tok, dtype=torch.int64, device=dev),
-            decode_table=table,
-            decode_mask=mask,
+            decode_groups=groups,
             last_token_index=torch.tensor(last, dtype=torch.int64, device=dev),
         )
 
+    def _decode_groups(self, fb: ForwardBatch, rows: list[int], tok: list[int]) -> list[DecodeGroup]:
+        """Split decode rows into groups of similar history length (sorted, so every rank groups alike).
+
+        A group grows while its padded size (rows x longest history) stays within 1.25x its real tokens plus
+        64 per row, so a 4,000-token request does not make 63 short ones gather and attend 4,000 positions.
+        """
+        dev = self.device
+        order = sorted(range(len(rows)), key=lambda i: fb.reqs[rows[i]].prefix_len)
+        groups: list[list[int]] = []
+        real = 0
+        for i in order:
+            n = fb.reqs[rows[i]].prefix_len + 1
+            if groups:
+                g = groups[-1]
+                if n * (len(g) + 1) <= 1.25 * (real + n) + 64 * (len(g) + 1):
+                    g.append(i)
+                    real += n
+                    continue
+            groups.append([i])
+            real = n
+        out: list[DecodeGroup] = []
+        for g in groups:
+            lens = [fb.reqs[rows[i]].prefix_len + 1 for i in g]
+            lmax = max(lens)
+            req_rows = torch.tensor([fb.reqs[rows[i]].req_idx for i in g], device=dev)
+            kv_slots = self.kv.req_to_token[req_rows, :lmax].reshape(-1)
+            mask = None
+            if min(lens) != lmax:
+                lt = torch.tensor(lens, device=dev)
+                mask = (torch.arange(lmax, device=dev)[None, :] < lt[:, None])[:, None, None, :]
+            index = torch.tensor([tok[i] for i in g], dtype=torch.int64, device=dev)
+            out.append(DecodeGroup(index, kv_slots, lmax, mask))
+        return out
+
     def forward_logits(self, fb: ForwardBatch) -> torch.Tensor:
-        """Run the plan and return last-token logits ``[B, vocab]`` fp32 (also used by tests)."""
-        s = self.build_inputs(fb)
-        applier = None
-        if self.lora is not None:
-            applier = self.lora.prepare([r.lora_uid for r in fb.reqs], s.ext_lens)
-        elif any(r.lora_uid is not None for r in fb.reqs):
-            raise WorkerError("a request names a LoRA adapter but LoRA is not enabled (--enable-lora)")
-        return self.model.forward(s, self.kv, applier)
+        """Run the plan and return last-token logits ``[B, vocab]`` fp32 in plan order (also used by tests).
+
+        With LoRA, the requests run grouped by adapter uid (a stable sort, identical on every rank), so each
+        adapter's tokens form one segment and the LoRA apply costs a few GEMMs per adapter, not per request.
+        """
+        if self.lora is None:
+            if any(r.lora_uid is not None for r in fb.reqs):
+                raise WorkerError("a request names a LoRA adapter but LoRA is not enabled (--enable-lora)")
+            return self.model.forward(self.build_inputs(fb), self.kv, None)
+        order = sorted(range(len(fb.reqs)), key=lambda i: (fb.reqs[i].lora_uid is not None, fb.reqs[i].lora_uid or ""))
+        grouped = fb if order == list(range(len(order))) else ForwardBatch(fb.step, [fb.reqs[i] for i in order])
+        s = self.build_inputs(grouped)
+        applier = self.lora.prepare([r.lora_uid for r in grouped.reqs], s.ext_lens)
+        logits = self.model.forward(s, self.kv, applier)
+        if grouped is fb:
+            return logits
+        inverse = torch.empty(len(order), dtype=torch.int64, device=logits.device)
+        inverse[torch.tensor(order, device=logits.device)] = torch.arange(len(order), device=logits.device)
+        return logits[inverse]
 
     def step(self, fb: ForwardBatch) -> StepResult:
         """Run one step; rank 0 samples one token per request (other ranks return no tokens)."""

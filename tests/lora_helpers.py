@@ -144,8 +144,9 @@ def tiny_pool(
     cfg: ModelConfig = TINY,
     tp_size: int = 1,
     rank: int = 0,
+    dtype: torch.dtype = torch.float32,
 ):
-    """An in-process :class:`LoraPool` over the tiny config (CPU, fp32)."""
+    """An in-process :class:`LoraPool` over the tiny config (CPU, ``dtype``, fp32 by default)."""
     from gpu_worker.lora_pool import LoraPool
     from gpu_worker.tp_plan import make_shard_plan
 
@@ -157,7 +158,7 @@ def tiny_pool(
         lora_target_modules=list(targets or ALL),
     )
     plan = make_shard_plan(cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size, tp_size, rank)
-    return LoraPool(args, cfg, plan, torch.float32, torch.device("cpu"))
+    return LoraPool(args, cfg, plan, dtype, torch.device("cpu"))
 
 
 # ----------------------------------------------------------------------------- cross-process pool driver

@@ -212,6 +212,35 @@ def test_batched_apply_matches_per_adapter_maths(adapters):
             torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("slots_fp32", [False, True], ids=["bf16-slots", "fp32-slots"])
+def test_bf16_apply_matches_fp32_apply(adapters, monkeypatch, slots_fp32):
+    """A bf16 model's apply (slots in bf16, or in fp32 as on CPUs with slow bf16 GEMMs) tracks the fp32 maths,
+    interleaved segments included, and leaves base rows untouched."""
+    import gpu_worker.lora_pool as lp
+
+    monkeypatch.setattr(lp, "measure_slot_dtype", lambda d, dev: torch.float32 if slots_fp32 else d)
+    ref = tiny_pool(slots=3, max_rank=8)
+    half = tiny_pool(slots=3, max_rank=8, dtype=torch.bfloat16)
+    assert half.slot_dtype == (torch.float32 if slots_fp32 else torch.bfloat16)
+    uids = ["full8", None, "qv2", "full8", "pattern"]
+    lens = [3, 2, 1, 2, 4]
+    for pool in (ref, half):
+        load(pool, adapters, "full8", "qv2", "pattern")
+    b_ref, b_half = ref.prepare(uids, lens), half.prepare(uids, lens)
+    g = torch.Generator().manual_seed(1)
+    for fused, mods in lp.FUSED.items():
+        fin = ref._local_dims(mods[0])[0]
+        width = sum(ref._local_dims(m)[1] for m in mods)
+        x = torch.randn(sum(lens), fin, generator=g).bfloat16()
+        base = torch.randn(sum(lens), width, generator=g).bfloat16()
+        want, got = base.float(), base.clone()
+        b_ref.add(1, fused, x.float(), want)
+        b_half.add(1, fused, x, got)
+        assert got.dtype == torch.bfloat16
+        torch.testing.assert_close(got.float(), want, atol=0.05, rtol=0.02)
+        assert torch.equal(got[3:5], base[3:5])  # the base request's rows
+
+
 def test_tp_shards_of_a_pool_add_up_to_the_whole(adapters):
     """At TP=2, column modules split B's rows and row modules split A's columns; the shards rebuild TP=1."""
     whole = tiny_pool(slots=1)

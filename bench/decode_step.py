@@ -1,0 +1,109 @@
+#!/usr/bin/env python
+"""One worker's decode step in-process (no sockets, no scheduler): where a step's time goes.
+
+    python bench/decode_step.py [--batch 32] [--context 256] [--dtype bfloat16] [--lora 0] [--steps 20]
+
+Prefills ``--batch`` requests of ``--context`` tokens each (random token ids, lengths spread +-25% so rows
+differ), then times ``--steps`` decode steps of the whole batch and prints the median step time and tok/s.
+``--lora N`` loads N synthetic adapters (ranks 8..64, all seven linears) and spreads the requests over them
+plus the base model, so the LoRA apply cost shows as the ratio to ``--lora 0``. ``--profile`` prints
+torch.profiler's top operators.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--context", type=int, default=256)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--lora", type=int, default=0)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--profile", action="store_true")
+    a = p.parse_args()
+    import torch
+
+    from gpu_worker.worker import Worker
+    from ipc.config import Endpoints, ServerArgs
+    from ipc.messages import BatchReq, ForwardBatch, WorkerLoraLoad, WorkerSampling
+    from ipc.model_source import resolve_model_path
+
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    model_path = str(resolve_model_path(None))
+    rng = random.Random(0)
+    lens = [max(2, int(a.context * rng.uniform(0.75, 1.25))) for _ in range(a.batch)]
+    total = sum(lens) + a.batch * (a.steps + 2)
+    eps = Endpoints(front="inproc://f", to_scheduler="", to_tokenizer="", workers="", control="", dist_init="")
+    args = ServerArgs(
+        model_path=model_path, dtype=a.dtype, device="cpu", endpoints=eps, max_total_tokens=total,
+        max_running_requests=a.batch, context_length=max(lens) + a.steps + 2, enable_lora=a.lora > 0,
+        max_loras_per_batch=max(a.lora, 1), max_lora_rank=64,
+    )  # fmt: skip
+    w = Worker(args)
+    uids: list[str | None] = [None]
+    if a.lora:
+        from make_adapters import bench_adapters, make_adapters
+
+        from ipc.model_source import cache_root
+
+        ads = make_adapters(model_path, cache_root() / "bench-adapters", bench_adapters(a.lora))
+        for i, (name, path) in enumerate(sorted(ads.items())):
+            ack = w.load_lora(WorkerLoraLoad(i, f"u{i:04d}", name, str(path)))
+            assert ack.ok, ack.error
+            uids.append(f"u{i:04d}")
+    greedy = WorkerSampling(0.0, 1.0, -1, None)
+    lora_of = [uids[i % len(uids)] for i in range(a.batch)]
+    slot = 0
+    slots: list[list[int]] = []
+    for n in lens:
+        slots.append(list(range(slot, slot + n + a.steps + 2)))
+        slot += n + a.steps + 2
+    ids = [[rng.randrange(100, 40000) for _ in range(n)] for n in lens]
+    for i in range(a.batch):  # prefill one by one (keeps peak memory low)
+        w.forward_logits(ForwardBatch(0, [BatchReq(f"r{i}", i, ids[i], 0, slots[i][: lens[i]], lora_of[i], greedy)]))
+    times = []
+
+    def step(k: int) -> None:
+        reqs = [
+            BatchReq(f"r{i}", i, [1000 + k], lens[i] + k, [slots[i][lens[i] + k]], lora_of[i], greedy)
+            for i in range(a.batch)
+        ]
+        w.forward_logits(ForwardBatch(k + 1, reqs))
+
+    step(0)
+    for k in range(1, a.steps + 1):
+        t = time.perf_counter()
+        step(k)
+        times.append(time.perf_counter() - t)
+    med = statistics.median(times)
+    print(
+        f"batch {a.batch} context ~{a.context} {a.dtype} lora {a.lora} threads {torch.get_num_threads()}: "
+        f"step {med * 1e3:.1f} ms (median of {a.steps}), {a.batch / med:.1f} tok/s"
+    )
+    if a.profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for k in range(a.steps + 1, a.steps + 2):
+                step(k)
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+    tempfile.gettempdir()
+
+
+if __name__ == "__main__":
+    main()
