@@ -12,12 +12,21 @@ from pathlib import Path
 import torch
 
 from gpu_worker.kv_cache import KVCache
+from gpu_worker.logprobs import row_logprobs
 from gpu_worker.model import DecodeGroup, LlamaShard, StepInputs
 from gpu_worker.sampling import sample_rows
 from gpu_worker.tp_plan import make_shard_plan
 from gpu_worker.weights import load_shard
 from ipc.config import ServerArgs
-from ipc.messages import ForwardBatch, LoraOpAck, StepResult, WorkerLoraLoad, WorkerLoraUnload, WorkerReady
+from ipc.messages import (
+    ForwardBatch,
+    LoraOpAck,
+    RowLogprobs,
+    StepResult,
+    WorkerLoraLoad,
+    WorkerLoraUnload,
+    WorkerReady,
+)
 from ipc.model_config import ModelConfig, load_model_config
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -211,15 +220,19 @@ class Worker:
         logits = self.forward_logits(fb)
         next_ids: list[int] = []
         row_errors: dict[int, str] = {}
+        logprobs: dict[int, RowLogprobs] = {}
         if self.rank == 0:
             out = sample_rows(logits, [r.sampling for r in fb.reqs], [r.output_len for r in fb.reqs], self._gen)
             next_ids, row_errors = out.tokens, out.errors
+            if any(r.logprobs >= 0 for r in fb.reqs):
+                logprobs = row_logprobs(logits, next_ids, [r.logprobs for r in fb.reqs])
         digest, table = ("", {}) if self.lora is None else self.lora.digest()
         return StepResult(
             step=fb.step,
             rank=self.rank,
             next_ids=next_ids,
             row_errors=row_errors,
+            logprobs=logprobs,
             slot_digest=digest,
             slots=table,
             epoch=self.epoch,

@@ -147,7 +147,7 @@ class ErrorOut(msgspec.Struct, tag=True):
 
     rid: str
     message: str
-    kind: str = "bad_request"  # bad_request | not_found | server_error | overloaded
+    kind: str = "bad_request"  # bad_request | not_found | server_error | overloaded | unavailable (draining)
 
 
 class AdminOut(msgspec.Struct, tag=True):
@@ -184,6 +184,8 @@ class TokenizedReq(msgspec.Struct, tag=True):
     stream: bool = False
     output_ids: list[int] = []
     resume: bool = False
+    return_logprob: bool = False  # the client's GenerateReq.return_logprob: TokenOut carries new_token_logprobs
+    top_logprobs_num: int = 0  # ... and, when > 0, new_top_logprobs with this many alternatives per token
 
 
 class AbortRid(msgspec.Struct, tag=True):
@@ -270,6 +272,11 @@ class TokenOut(msgspec.Struct):
     finish_reason: FinishReason | None = None
     error: str | None = None
     error_kind: str = "bad_request"  # bad_request (refused) | server_error (a step failed)
+    # for a request with return_logprob, aligned with new_ids: [logprob, token_id] of each new token (fp32
+    # log-softmax of the logits it was sampled from) and, with top_logprobs_num = k > 0, its k most likely
+    # [logprob, token_id] pairs; the front door accumulates them into MetaInfo.output_token_logprobs / _top_
+    new_token_logprobs: list[tuple[float, int]] | None = None
+    new_top_logprobs: list[list[tuple[float, int]]] | None = None
 
 
 class BatchTokenOut(msgspec.Struct, tag=True):
@@ -330,7 +337,36 @@ class ClusterView(msgspec.Struct, tag=True):
     serving: bool = True  # False while the TP group is being replaced (the front door reports 503 meanwhile)
 
 
-ToTokenizerMsg = Union[BatchTokenOut, LoraOpResult, ClusterEvent, ClusterView]
+class SchedulerBeat(msgspec.Struct, tag=True):
+    """Scheduler -> tokenizer about once a second while the scheduler's loop runs: the heartbeat ``/health``
+    reads, with what the scheduler knows of the TP ranks and the batch (for ``/metrics``).
+
+    ``unresponsive`` names the ranks that left a liveness probe unanswered past its timeout (rank -> why); a
+    rank busy with a step or a LoRA command is judged by ``--step-timeout`` / ``--lora-op-timeout`` instead.
+    """
+
+    incarnation: str
+    epoch: int
+    rank_silence_s: list[float] = []  # per rank: seconds since its last answer to anything
+    unresponsive: dict[int, str] = {}
+    running: int = 0  # requests in the running batch
+    waiting: int = 0  # requests in the scheduler's waiting queue
+    kv_used_tokens: int = 0  # KV token slots held by running requests or reserved for their remaining output
+    kv_capacity_tokens: int = 0
+    running_lora_uids: list[str] = []  # adapters of running requests (sorted, no duplicates)
+    waiting_lora_uids: list[str] = []  # adapters of waiting requests
+    slot_uids: list[str] = []  # adapters in a slot on rank 0 after the last step
+    slot_evictions: int = 0  # adapters evicted from a slot by another since this scheduler started
+
+
+class DrainCmd(msgspec.Struct, tag=True):
+    """Launcher -> tokenizer on SIGTERM: stop admitting requests (new ones get ``unavailable`` / HTTP 503), let
+    those in flight finish for up to ``timeout_s`` seconds (then fail the rest), and exit."""
+
+    timeout_s: float
+
+
+ToTokenizerMsg = Union[BatchTokenOut, LoraOpResult, ClusterEvent, ClusterView, SchedulerBeat, DrainCmd]
 
 # ----------------------------------------------------------------------------- scheduler <-> gpu_worker
 
@@ -361,6 +397,7 @@ class BatchReq(msgspec.Struct, array_like=True):
     lora_uid: str | None
     sampling: WorkerSampling
     output_len: int = 0  # tokens generated so far (seeds the per-request sampler deterministically)
+    logprobs: int = -1  # -1: none; 0: the sampled token's logprob; k > 0: also the k most likely tokens
 
 
 class ForwardBatch(msgspec.Struct, tag=True):
@@ -418,6 +455,14 @@ class WorkerReady(msgspec.Struct, tag=True):
     adapters: list[AdapterState] = []  # the host tier's adapters, sorted by uid (a scheduler restart reads them)
 
 
+class RowLogprobs(msgspec.Struct, array_like=True):
+    """One plan row's logprobs (rank 0): the sampled token's fp32 log-softmax value and the ``k`` most likely
+    ``(logprob, token_id)`` pairs, most likely first (empty when the row asked for none)."""
+
+    logprob: float
+    top: list[tuple[float, int]] = []
+
+
 class StepResult(msgspec.Struct, tag=True):
     """A rank finished step ``step``. ``next_ids`` (rank 0 only) has one token per request in plan order.
 
@@ -435,6 +480,7 @@ class StepResult(msgspec.Struct, tag=True):
     slots: dict[str, int] = {}
     error: str | None = None
     epoch: int = 1  # the sender's TP group epoch: results of a group that was replaced are dropped
+    logprobs: dict[int, RowLogprobs] = {}  # rank 0: plan row -> logprobs, for rows whose BatchReq asked
     row_errors: dict[int, str] = {}  # rank 0: plan row -> why it could not be sampled (next_ids has -1 there)
 
 

@@ -14,7 +14,7 @@ from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from ipc.messages import BatchReq, FinishReason, ForwardBatch, TokenizedReq, TokenOut, WorkerSampling
+from ipc.messages import BatchReq, FinishReason, ForwardBatch, RowLogprobs, TokenizedReq, TokenOut, WorkerSampling
 from scheduler_proc.kv_allocator import KVBudget, SlotAllocator
 
 _CONTEXT_TOKENS = 4  # tokens of left context kept for the next decode (a byte-level character is at most 4)
@@ -121,6 +121,7 @@ class Req:
     waited_steps: int = 0
     finished: bool = False
     stop_matcher: StopStringMatcher | None = None
+    logprobs: int = -1  # BatchReq.logprobs: -1 none, 0 the sampled token's, k > 0 also the top k
 
     @property
     def seq_len(self) -> int:
@@ -229,6 +230,7 @@ class Scheduler:
                 lora_uid=msg.lora_uid,
                 arrival=self._arrivals,
                 output_ids=list(msg.output_ids),
+                logprobs=msg.top_logprobs_num if msg.return_logprob else -1,
             )
         )
         self._arrivals += 1
@@ -305,7 +307,17 @@ class Scheduler:
             prefix = r.seq_len
             r.slots.extend(slots)
             plan.append(
-                BatchReq(r.rid, r.req_idx, [r.output_ids[-1]], prefix, slots, r.lora_uid, r.sampling, len(r.output_ids))
+                BatchReq(
+                    r.rid,
+                    r.req_idx,
+                    [r.output_ids[-1]],
+                    prefix,
+                    slots,
+                    r.lora_uid,
+                    r.sampling,
+                    len(r.output_ids),
+                    r.logprobs,
+                )
             )
             reqs.append(r)
         for r in self._admit():
@@ -314,7 +326,9 @@ class Scheduler:
             r.reserved -= len(slots)
             r.slots = list(slots)  # the plan keeps its own list
             self.running[r.rid] = r
-            plan.append(BatchReq(r.rid, r.req_idx, ids, 0, slots, r.lora_uid, r.sampling, len(r.output_ids)))
+            plan.append(
+                BatchReq(r.rid, r.req_idx, ids, 0, slots, r.lora_uid, r.sampling, len(r.output_ids), r.logprobs)
+            )
             reqs.append(r)
         if not plan:
             return None
@@ -327,11 +341,17 @@ class Scheduler:
         return ForwardBatch(step=self._step, reqs=plan)
 
     # ------------------------------------------------------------------ results
-    def on_result(self, next_ids: list[int], row_errors: dict[int, str] | None = None) -> list[TokenOut]:
+    def on_result(
+        self,
+        next_ids: list[int],
+        row_errors: dict[int, str] | None = None,
+        logprobs: dict[int, RowLogprobs] | None = None,
+    ) -> list[TokenOut]:
         """Apply rank 0's tokens (plan order) and return what changed; finished requests free KV at once.
 
         A row in ``row_errors`` (plan index -> why rank 0 could not sample it) ends only its own request, with
-        kind ``server_error`` and the reason; the other rows go on as usual.
+        kind ``server_error`` and the reason; the other rows go on as usual. ``logprobs`` (plan index -> the
+        row's :class:`RowLogprobs`) rides along on each token's :class:`TokenOut`.
         """
         reqs, self._in_flight = self._in_flight or [], None
         if len(next_ids) != len(reqs):
@@ -351,10 +371,16 @@ class Scheduler:
             r.output_ids.append(tok)
             reason = self._finish_reason(r, tok)
             if reason is None:
-                outs.append(TokenOut(r.rid, [tok], len(r.input_ids), len(r.output_ids)))
+                out = TokenOut(r.rid, [tok], len(r.input_ids), len(r.output_ids))
             else:
                 self._release(r)
-                outs.append(self._finish_out(r, reason, [tok]))
+                out = self._finish_out(r, reason, [tok])
+            lp = (logprobs or {}).get(i)
+            if lp is not None:
+                out.new_token_logprobs = [(lp.logprob, tok)]
+                if r.logprobs > 0:
+                    out.new_top_logprobs = [list(lp.top)]
+            outs.append(out)
         return outs
 
     def fail_in_flight(self, message: str) -> list[TokenOut]:

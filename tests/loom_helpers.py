@@ -212,7 +212,7 @@ def run_engine(worker, scheduler, arrivals: dict[int, list], max_steps: int = 10
             continue
         plans.append(fb)
         res = worker.step(fb)
-        for o in scheduler.on_result(res.next_ids, res.row_errors):
+        for o in scheduler.on_result(res.next_ids, res.row_errors, res.logprobs):
             outs.setdefault(o.rid, []).append(o)
         step += 1
     outs["__plans__"] = plans
@@ -366,6 +366,7 @@ class ClusterHandle:
     tp_size: int = 1
     children: dict[str, int] = field(default_factory=dict)  # "gpu_worker[0]" -> pid
     config_file: str = ""
+    http_port: int = 0  # set by launch_http_cluster
 
     @property
     def socket_dir(self) -> Path:
@@ -542,3 +543,21 @@ class ListSink:
     def send(self, msg: object) -> bool:
         self.msgs.append(msg)
         return True
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def launch_http_cluster(tmp_path: Path, *flags: str) -> Iterator[ClusterHandle]:
+    """:func:`launch_cluster` with the HTTP API on a free port (``handle.http_port``)."""
+    port = free_port()
+    with launch_cluster(tmp_path, "--http-port", str(port), *flags) as h:
+        h.http_port = port
+        yield h
