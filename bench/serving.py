@@ -1,11 +1,13 @@
 #!/usr/bin/env python
 """Decode throughput of Loom vs transformers ``generate`` on the same prompts (one run, bf16 by default).
 
-    python bench/serving.py [--dtype bfloat16] [--new-tokens 64] [--batch 32] [--repeats 3]
+    python bench/serving.py [--dtype bfloat16] [--new-tokens 64] [--batch 32] [--repeats 3] [--tp-size 1]
 
 Throughput = generated tokens / wall time (prefill included, the same for both). Every request generates
-exactly ``--new-tokens`` tokens (Loom: ``ignore_eos``; transformers: ``min_new_tokens``). Prints medians of
-``--repeats`` runs and the Loom / transformers ratios.
+exactly ``--new-tokens`` tokens (Loom: ``ignore_eos``; transformers: ``min_new_tokens``). Prints a header (CPU
+flags, torch threads), then one table of every figure: medians of ``--repeats`` runs, the Loom / transformers
+ratios and each engine's concurrent / batch-1 ratio. See bench/scaling.py for tok/s against concurrency and
+context length.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import argparse
 import asyncio
 import time
 
-from common import chat_prompts, loom_cluster, median
+from common import bench_header, chat_prompts, loadavg, loom_cluster, median
 
 
 def loom_runs(endpoint: str, prompts: list, new_tokens: int, repeats: int) -> tuple[float, float]:
@@ -76,15 +78,18 @@ def main() -> None:
     from ipc.model_source import resolve_model_path
 
     model_path = str(resolve_model_path(None))
+    print(bench_header("bench/serving.py: Loom vs transformers decode tokens/s", dtype=a.dtype, tp_size=a.tp_size))
     prompts = chat_prompts(a.batch)
     flags = ["--dtype", a.dtype, "--max-total-tokens", "16384", "--tp-size", str(a.tp_size)]
-    with loom_cluster(*flags) as ep:
-        l1, lb = loom_runs(ep, prompts, a.new_tokens, a.repeats)
+    with loom_cluster(*flags) as cluster:
+        l1, lb = loom_runs(cluster.endpoint, prompts, a.new_tokens, a.repeats)
     h1, hb = hf_runs(model_path, a.dtype, prompts, a.new_tokens, a.repeats)
-    print(f"\nSmolLM2-135M-Instruct, {a.dtype}, {a.new_tokens} new tokens, medians of {a.repeats} runs (tokens/s)")
+    print(f"\n{a.new_tokens} new tokens per request, medians of {a.repeats} runs (tokens/s)")
     print(f"{'':<28}{'Loom':>10}{'transformers':>14}{'Loom/HF':>10}")
     print(f"{'batch 1':<28}{l1:>10.1f}{h1:>14.1f}{l1 / h1:>10.2f}")
     print(f"{f'{a.batch} concurrent / padded':<28}{lb:>10.1f}{hb:>14.1f}{lb / hb:>10.2f}")
+    print(f"{'concurrent / batch 1':<28}{lb / l1:>10.2f}{hb / h1:>14.2f}")
+    print(f"load average at the end: {loadavg()}")
 
 
 if __name__ == "__main__":

@@ -27,24 +27,20 @@ import argparse
 import asyncio
 import contextlib
 import json
-import math
 import os
 import platform
 import random
 import re
 import signal
-import subprocess
 import sys
-import tempfile
 import time
 from collections import Counter
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from common import QUESTIONS, ROOT
+from common import QUESTIONS, ROOT, Cluster, cluster_procs, cpu_flags, cpu_s, loadavg, loom_cluster, quantile
 
 TEXTS = [
     "The quick brown fox",
@@ -58,55 +54,9 @@ STARTUP = {"a": "r8-all", "b": "r64-all", "c": "r16-attn", "d": "r32-qv"}  # nam
 PINNED = {"c"}
 CHURN = "churn"
 CHURN_FOLDERS = ["r16-rslora", "r8-pattern"]
-RELEVANT_FLAGS = ["avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8"]
 
 
 # ----------------------------------------------------------------------------- processes and RSS
-
-
-def _proc_children() -> dict[int, list[int]]:
-    kids: dict[int, list[int]] = {}
-    for d in os.listdir("/proc"):
-        if not d.isdigit():
-            continue
-        try:
-            with open(f"/proc/{d}/status") as f:
-                for line in f:
-                    if line.startswith("PPid:"):
-                        kids.setdefault(int(line.split()[1]), []).append(int(d))
-                        break
-        except OSError:
-            continue
-    return kids
-
-
-def _proc_name(pid: int) -> str:
-    try:
-        args = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
-    except OSError:
-        return f"pid {pid}"
-    if "-m" in args and args.index("-m") + 1 < len(args):
-        name = args[args.index("-m") + 1].split(".")[0]
-        if "--rank" in args and args.index("--rank") + 1 < len(args):
-            name += f"[{args[args.index('--rank') + 1]}]"
-        return name
-    try:
-        return Path(f"/proc/{pid}/comm").read_text().strip()
-    except OSError:
-        return f"pid {pid}"
-
-
-def cluster_procs(launcher: int) -> dict[str, int]:
-    """name -> pid for the launcher and every descendant (``gpu_worker[0]``, ``scheduler_proc``, ...)."""
-    kids = _proc_children()
-    out = {"launcher": launcher}
-    todo = list(kids.get(launcher, []))
-    while todo:
-        pid = todo.pop()
-        name = _proc_name(pid)
-        out[name if name not in out else f"{name} ({pid})"] = pid
-        todo.extend(kids.get(pid, []))
-    return out
 
 
 def rss_kib(pid: int) -> int | None:
@@ -121,15 +71,6 @@ def rss_kib(pid: int) -> int | None:
     return None
 
 
-def cpu_s(pid: int) -> float:
-    """CPU seconds (user + system) ``pid`` has used (0.0 if it is gone)."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime (fields 14, 15)
-
-
 def rss_snapshot(launcher: int) -> dict[str, tuple[int, int, float]]:
     """name -> (pid, VmRSS KiB, CPU seconds used so far) for the whole cluster."""
     out = {}
@@ -138,26 +79,6 @@ def rss_snapshot(launcher: int) -> dict[str, tuple[int, int, float]]:
         if kib is not None:
             out[name] = (pid, kib, cpu_s(pid))
     return out
-
-
-def loadavg() -> str:
-    """The 1-minute load average of the machine."""
-    try:
-        return Path("/proc/loadavg").read_text().split()[0]
-    except OSError:
-        return "?"
-
-
-def cpu_flags() -> str:
-    """The relevant CPU flags of the first ``flags`` line of /proc/cpuinfo, present and absent."""
-    try:
-        line = next(ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags"))
-    except (OSError, StopIteration):
-        return "unknown (no flags line in /proc/cpuinfo)"
-    have = set(line.split(":", 1)[1].split())
-    present = [f for f in RELEVANT_FLAGS if f in have]
-    absent = [f for f in RELEVANT_FLAGS if f not in have]
-    return f"{' '.join(present) or '-'} (absent: {' '.join(absent) or '-'})"
 
 
 def torch_version() -> str:
@@ -170,45 +91,6 @@ def torch_version() -> str:
 
 
 # ----------------------------------------------------------------------------- the cluster
-
-
-@dataclass
-class Cluster:
-    endpoint: str
-    proc: subprocess.Popen
-    log_path: Path
-    tmp: Path
-
-
-@contextlib.contextmanager
-def start_cluster(flags: list[str], ready_timeout_s: float) -> Iterator[Cluster]:
-    """``launch.py`` on a private ipc endpoint; stopped (SIGINT, then SIGKILL of its group) on exit."""
-    tmp = Path(tempfile.mkdtemp(prefix="loom-soak-"))
-    endpoint = f"ipc://{tmp}/front.sock"
-    log_path = tmp / "launch.log"
-    with open(log_path, "w+") as log:
-        p = subprocess.Popen(
-            [sys.executable, str(ROOT / "launch.py"), "--zmq-endpoint", endpoint, *flags],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            cwd=str(ROOT),
-            start_new_session=True,
-        )
-        try:
-            deadline = time.monotonic() + ready_timeout_s
-            while "Loom ready" not in log_path.read_text(errors="replace"):
-                if p.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"Loom failed to start (log {log_path}):\n{log_path.read_text()[-4000:]}")
-                time.sleep(0.5)
-            yield Cluster(endpoint, p, log_path, tmp)
-        finally:
-            if p.poll() is None:
-                p.send_signal(signal.SIGINT)
-                try:
-                    p.wait(30)
-                except subprocess.TimeoutExpired:
-                    os.killpg(p.pid, signal.SIGKILL)
-                    p.wait()
 
 
 def test_adapters(model_path: str | None) -> Path:
@@ -227,14 +109,6 @@ def test_adapters(model_path: str | None) -> Path:
 
 
 # ----------------------------------------------------------------------------- bookkeeping
-
-
-def quantile(xs: list[float], q: float) -> float:
-    """Nearest-rank quantile (nan for no data)."""
-    if not xs:
-        return math.nan
-    s = sorted(xs)
-    return s[min(len(s) - 1, max(0, math.ceil(q * len(s)) - 1))]
 
 
 @dataclass
@@ -901,14 +775,10 @@ def main(argv: list[str] | None = None) -> int:
     ]
     shown = " ".join(_short(f) for f in flags)
     print(f"starting: launch.py {shown} (adapters in {adapter_dir})", flush=True)
-    with start_cluster(flags, a.ready_timeout) as cluster:
+    with loom_cluster(*flags, timeout_s=a.ready_timeout, prefix="loom-soak-") as cluster:
         print(f"cluster up (launcher pid {cluster.proc.pid}, log {cluster.log_path})", flush=True)
         code = asyncio.run(run(a, cluster, adapter_dir, shown))
-    print(f"cluster log kept in {cluster.log_path}" if code else "", end="\n" if code else "")
-    if not code:
-        import shutil
-
-        shutil.rmtree(cluster.tmp, ignore_errors=True)
+        cluster.keep_log = bool(code)  # a failed soak keeps its log (the path goes to stderr)
     return code
 
 
