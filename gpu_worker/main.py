@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
 import signal
 import traceback
 from datetime import timedelta
@@ -12,6 +11,8 @@ import torch
 import torch.distributed as dist
 import zmq
 
+from gpu_worker.shm_allreduce import ShmAllReduce, select_all_reduce
+from gpu_worker.threads import pick_num_threads, thread_cap
 from gpu_worker.worker import Worker, pick_device
 from ipc.codec import Codec, WireError
 from ipc.messages import (
@@ -42,9 +43,27 @@ def init_distributed(init_method: str, rank: int, world: int, device: torch.devi
 
 
 def _peer_gone(e: BaseException) -> bool:
-    """Whether a step error is a collective that lost its peer (gloo/nccl connection errors)."""
+    """Whether a step error is a collective that lost its peer (gloo/nccl connection errors, shm peer gone)."""
     text = str(e)
-    return any(k in text for k in ("Connection reset by peer", "Connection closed by peer", "gloo", "NCCL"))
+    keys = ("Connection reset by peer", "Connection closed by peer", "gloo", "NCCL", "shm all-reduce")
+    return any(k in text for k in keys)
+
+
+def setup_cpu_all_reduce(worker: Worker, group: object | None, epoch: int) -> ShmAllReduce | None:
+    """On a CPU TP group, swap the model's gloo all-reduce for the same-host shared-memory one where it works.
+
+    Every rank decides the same way (:func:`select_all_reduce` gathers the facts over gloo): shm needs all ranks
+    on one host and x86-64 (TSO makes its counter-after-data store safe); env ``LOOM_TP_ALLREDUCE=auto|shm|gloo``
+    forces a choice (``shm`` fails start-up if it cannot be used). CUDA keeps nccl. Logs the choice at INFO.
+    Returns the reducer (to close at exit) or None.
+    """
+    if group is None or worker.device.type != "cpu":
+        return None
+    shm, why = select_all_reduce(group, epoch=epoch)
+    if shm is not None:
+        worker.model.all_reduce_fn = shm.all_reduce
+    log.info("TP all-reduce: %s", why)
+    return shm
 
 
 def main() -> None:
@@ -57,13 +76,19 @@ def main() -> None:
     name = f"gpu_worker[{rank}]"
     ctx = zmq.Context()
     sock = None
+    shm = None
     try:
         device = pick_device(args.device, rank)
-        if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+        if device.type == "cpu":
             # ranks share the machine's cores; oversubscribed OpenMP threads spin and slow every rank down
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.tp_size))
+            torch.set_num_threads(thread_cap(args.tp_size))  # for loading; measured once the cluster settled
         group = init_distributed(ns.dist_init or args.endpoints.dist_init, rank, args.tp_size, device)
         worker = Worker(args, rank, group, device, epoch=ns.epoch)
+        shm = setup_cpu_all_reduce(worker, group, ns.epoch)
+        if device.type == "cpu":
+            threads, why = pick_num_threads(args.tp_size)
+            torch.set_num_threads(threads)
+            log.info("%d intra-op thread(s): %s", threads, why)
         in_codec: Codec = Codec(ToWorkerMsg)
         out_codec: Codec = Codec(FromWorkerMsg)
         sock = make_socket(ctx, zmq.DEALER, args.endpoints.workers, bind=False, identity=f"rank-{rank}".encode())
@@ -123,6 +148,8 @@ def main() -> None:
         begin_cleanup(args)
         sock.close()
         ctx.destroy(0)
+        if shm is not None:
+            shm.close()
         if dist.is_initialized():
             dist.destroy_process_group()
 

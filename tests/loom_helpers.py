@@ -287,13 +287,19 @@ def _tp_rank_main(
     dist.init_process_group(
         "gloo", init_method=init_method, rank=rank, world_size=world, timeout=timedelta(seconds=120)
     )
+    reducer = None
     try:
         w = Worker(make_args(Path(model_path), tp_size=world), rank, dist.group.WORLD, torch.device("cpu"))
+        from gpu_worker.main import setup_cpu_all_reduce
+
+        reducer = setup_cpu_all_reduce(w, dist.group.WORLD, 1)  # the shm all-reduce clusters use on CPU
         solo = [w.forward_logits(prefill_batch([ids]))[0] for ids in prompts_ids]
         decode = teacher_forced_logits(w, prompts_ids, forced, steps)
         if rank == 0:
             torch.save({"solo": torch.stack(solo), "steps": decode}, out_file)
     finally:
+        if reducer is not None:
+            reducer.close()
         dist.destroy_process_group()
 
 

@@ -1,0 +1,118 @@
+"""How many intra-op (OpenMP) threads a CPU rank should use, decided by a short measurement at start-up.
+
+``cpu_count // tp_size`` threads is right on an idle machine and badly wrong on a busy one: OpenMP threads spin
+at their barriers, so when another process holds one of "our" cores every matmul waits for a descheduled thread
+(a soak run measured decode falling from 73 to 3.5 tok/s with 2 threads and one competing process, while 1
+thread gave 33-43 tok/s either way). So we time a decode-shaped matmul at each candidate count and take the
+fastest, preferring fewer threads unless more are clearly faster.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import statistics
+import time
+
+import torch
+
+# [8, 576] @ [576, 1536]: a decode step's gate/up projection for SmolLM2 at batch 8
+PROBE_ROWS, PROBE_IN, PROBE_OUT = 8, 576, 1536
+
+
+def usable_cpus() -> int:
+    """CPUs this process may run on (``sched_getaffinity``), else ``os.cpu_count()``; at least 1."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+
+
+def _candidates(cap: int) -> list[int]:
+    """1, 2, 4, ... up to ``cap``, and ``cap`` itself."""
+    out = [1]
+    while out[-1] * 2 < cap:
+        out.append(out[-1] * 2)
+    if cap > 1:
+        out.append(cap)
+    return out
+
+
+def measure_threads(
+    cap: int,
+    dtypes: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float32),
+    budget_s: float = 0.2,
+    margin: float = 0.15,
+) -> tuple[int, dict[int, float]]:
+    """Time the probe matmul at each candidate thread count up to ``cap`` and pick one.
+
+    Candidates are measured in interleaved rounds (so a burst of load hits them alike) until ``budget_s`` is
+    spent (at least two rounds). A count's score is the geometric mean over ``dtypes`` of its median call time.
+    The pick is the fewest threads whose score is within ``margin`` (a fraction) of the best: more threads must
+    earn their keep, since they are the ones that collapse when the machine gets busy.
+
+    Leaves ``torch.get_num_threads()`` as it was. Returns ``(threads, {threads: score in µs})``.
+    """
+    cands = _candidates(max(1, cap))
+    if len(cands) == 1:
+        return 1, {}
+    before = torch.get_num_threads()
+    gen = torch.Generator().manual_seed(0)
+    probes = []
+    for dt in dtypes:
+        x = torch.randn(PROBE_ROWS, PROBE_IN, generator=gen).to(dt)
+        w = torch.randn(PROBE_OUT, PROBE_IN, generator=gen).to(dt)
+        probes.append((x, w))
+    times: dict[int, list[list[float]]] = {n: [[] for _ in probes] for n in cands}
+    deadline = time.perf_counter() + budget_s
+    try:
+        with torch.inference_mode():
+            rounds = 0
+            while rounds < 2 or (time.perf_counter() < deadline and rounds < 50):
+                rounds += 1
+                for n in cands:
+                    torch.set_num_threads(n)
+                    for i, (x, w) in enumerate(probes):
+                        x @ w.T  # warm this thread count (pool resize, caches)
+                        for _ in range(3):
+                            t = time.perf_counter()
+                            x @ w.T
+                            times[n][i].append(time.perf_counter() - t)
+    finally:
+        torch.set_num_threads(before)
+    scores = {
+        n: 1e6 * math.exp(sum(math.log(max(statistics.median(ts), 1e-9)) for ts in per) / len(per))
+        for n, per in times.items()
+    }
+    best = min(scores.values())
+    pick = min(n for n, sc in scores.items() if sc <= best * (1 + margin))
+    return pick, scores
+
+
+def thread_cap(tp_size: int) -> int:
+    """This rank's share of the usable CPUs: ``sched_getaffinity // tp_size``, at least 1.
+
+    With ``OMP_NUM_THREADS`` set, the current ``torch.get_num_threads()`` instead (the override wins).
+    """
+    if os.environ.get("OMP_NUM_THREADS", "").strip():
+        return torch.get_num_threads()
+    return max(1, usable_cpus() // max(1, tp_size))
+
+
+def pick_num_threads(tp_size: int) -> tuple[int, str]:
+    """Threads for one CPU rank of a ``tp_size`` group: ``(count, why)`` for the log; does not set them.
+
+    ``OMP_NUM_THREADS`` in the environment wins (torch already applied it). Otherwise :func:`thread_cap` caps a
+    measurement by :func:`measure_threads` (skipped when the cap is 1; costs about 0.2-0.4 s otherwise). Call it
+    late in start-up: the cluster's other processes start at the same time and their imports would count as load.
+    """
+    env = os.environ.get("OMP_NUM_THREADS", "").strip()
+    if env:
+        return torch.get_num_threads(), f"OMP_NUM_THREADS={env}"
+    cap = thread_cap(tp_size)
+    if cap == 1:
+        return 1, f"{usable_cpus()} usable CPU(s) / tp_size {tp_size}"
+    t0 = time.perf_counter()
+    n, scores = measure_threads(cap)
+    shown = ", ".join(f"{k}: {v:.0f} us" for k, v in scores.items())
+    return n, f"measured in {time.perf_counter() - t0:.2f} s, cap {cap} ({shown})"
