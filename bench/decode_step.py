@@ -34,6 +34,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--profile", action="store_true")
+    p.add_argument("--slot-dtype", default="", help="force the LoRA slot dtype (default: measured at start-up)")
+    p.add_argument("--lora-path", default="", choices=["", "batched", "segments"], help="force a LoRA apply path")
     a = p.parse_args()
     import torch
 
@@ -44,6 +46,12 @@ def main() -> None:
 
     if a.threads:
         torch.set_num_threads(a.threads)
+    import gpu_worker.lora_pool as lp
+
+    if a.slot_dtype:
+        lp.measure_slot_dtype = lambda d, dev: getattr(torch, a.slot_dtype)
+    if a.lora_path:
+        lp.LoraBatch.PAD_LIMIT = 1e9 if a.lora_path == "batched" else -1e9
     model_path = str(resolve_model_path(None))
     rng = random.Random(0)
     lens = [max(2, int(a.context * rng.uniform(0.75, 1.25))) for _ in range(a.batch)]

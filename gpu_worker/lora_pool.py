@@ -254,7 +254,7 @@ class LoraPool:
                 else:
                     segs.append((s, t, t + n))
             t += n
-        return LoraBatch(self, segs)
+        return LoraBatch(self, segs, t)
 
     def table(self) -> dict[str, int]:
         """uid -> slot for every occupied slot."""
@@ -269,15 +269,44 @@ class LoraPool:
 class LoraBatch:
     """The LoRA work of one step: segments of tokens sharing a slot. Implements ``model.LoraApplier``.
 
-    Per segment and fused projection: one shrink GEMM over the stacked A of its targeted sub-modules, then
-    one ``addmm_`` expand per sub-module straight into the projection's output columns (no temporaries, no
-    dtype round trip when the slots hold the serving dtype). The worker orders a batch by adapter, so a
-    step has one segment per adapter, not one per request.
+    Two ways to run the same maths, chosen per step:
+
+    - **Batched** (decode-like steps, where segments are short and similar): every slot's tokens are gathered
+      into a padded ``[n_slots, Tmax, in]`` block and one ``bmm`` shrinks all slots through the stacked A of
+      every targeted sub-module; one ``bmm`` per sub-module expands at the batch's largest rank for it, and
+      one ``index_add_`` scatters the rows back. The op count no longer grows with the number of adapters
+      (on CPU a small GEMM costs tens of microseconds of fixed overhead, which dominated mixed batches).
+    - **Per segment** (a long prefill next to short segments would make the padding costly): per segment and
+      fused projection, one shrink GEMM over the stacked A, then one ``addmm_`` per sub-module straight into
+      the output columns at the adapter's own rank (Punica's SGMV idea, arXiv 2310.18547).
+
+    Padding rows read token 0 and are scattered into a scratch row; padded rank columns are zero in A and B
+    (slots zero them on write), so both ways give the same result.
     """
 
-    def __init__(self, pool: LoraPool, segments: list[tuple[int, int, int]]) -> None:
+    PAD_LIMIT = 2.0  # batched only while padded rows <= this many times the real LoRA rows
+
+    def __init__(self, pool: LoraPool, segments: list[tuple[int, int, int]], num_tokens: int = 0) -> None:
         self.pool = pool
         self.segments = segments
+        self.num_tokens = num_tokens or max((t1 for _, _, t1 in segments), default=0)
+        self._batched: tuple[int, int, torch.Tensor, torch.Tensor] | None = None
+        per_slot: dict[int, list[int]] = {}
+        for s, t0, t1 in segments:
+            per_slot.setdefault(s, []).extend(range(t0, t1))
+        real = sum(len(v) for v in per_slot.values())
+        if per_slot and real:
+            n = max(per_slot) + 1
+            tmax = max(len(v) for v in per_slot.values())
+            if n * tmax <= self.PAD_LIMIT * real + 8:
+                src = [0] * (n * tmax)  # token each padded row reads (0 for padding)
+                dst = [self.num_tokens] * (n * tmax)  # row it is added to (the scratch row for padding)
+                for s, toks in per_slot.items():
+                    src[s * tmax : s * tmax + len(toks)] = toks
+                    dst[s * tmax : s * tmax + len(toks)] = toks
+                dev = pool.device
+                self._batched = (n, tmax, torch.tensor(src, device=dev), torch.tensor(dst, device=dev))
+        self._slots = sorted(per_slot)
 
     def add(self, layer: int, fused: str, x: torch.Tensor, out: torch.Tensor) -> None:
         """``out[t0:t1, cols] += (x[t0:t1] @ A[s,:r]^T) @ B[s,:,:r]^T`` per segment and sub-module.
@@ -289,13 +318,41 @@ class LoraBatch:
         mods = p.fused_targets[fused]
         if not mods:
             return
-        af = p.A_fused[layer][fused]
         cols = []  # (sub-module index in the fused buffer, module, output column)
         col = 0
         for m in FUSED[fused]:
             if m in mods:
                 cols.append((mods.index(m), m, col))
             col += p.local_dims[m][1]
+        if self._batched is not None:
+            self._add_batched(layer, fused, cols, x, out)
+        else:
+            self._add_segments(layer, fused, cols, x, out)
+
+    def _add_batched(self, layer: int, fused: str, cols: list, x: torch.Tensor, out: torch.Tensor) -> None:
+        p = self.pool
+        n, tmax, src, dst = self._batched  # type: ignore[misc]
+        R = p.max_rank
+        ranks = [max(p.slot_rank[s][layer][m] for s in self._slots) for _, m, _ in cols]
+        if not any(ranks):
+            return
+        af = p.A_fused[layer][fused]
+        span = max(k * R + r for (k, _, _), r in zip(cols, ranks, strict=True) if r)
+        xs = x.index_select(0, src)
+        if xs.dtype != af.dtype:
+            xs = xs.to(af.dtype)
+        u = torch.bmm(xs.view(n, tmax, -1), af[:n, :span].transpose(1, 2))  # [n, Tmax, span]
+        acc = torch.zeros(self.num_tokens + 1, out.shape[1], dtype=af.dtype, device=out.device)
+        for (k, m, c), r in zip(cols, ranks, strict=True):
+            if r:
+                b = p.B[layer][m][:n, :, :r]  # [n, out_m, r]
+                delta = torch.bmm(u[:, :, k * R : k * R + r], b.transpose(1, 2))  # [n, Tmax, out_m]
+                acc[:, c : c + b.shape[1]].index_add_(0, dst, delta.view(n * tmax, -1))
+        out += acc[: self.num_tokens]
+
+    def _add_segments(self, layer: int, fused: str, cols: list, x: torch.Tensor, out: torch.Tensor) -> None:
+        p = self.pool
+        af = p.A_fused[layer][fused]
         R = p.max_rank
         # slots in fp32 under a bf16 model (slow small bf16 GEMMs on this CPU): cast x once and accumulate
         # every segment's delta in one fp32 buffer, added to ``out`` once, instead of casting per segment
@@ -321,28 +378,32 @@ class LoraBatch:
 def measure_slot_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
     """The dtype LoRA slots hold: the serving dtype, or fp32 on a CPU whose half-precision GEMMs are slow.
 
-    Measured once at start-up on a decode-shaped shrink + expand (8 rows, rank 16, 576 wide): CPUs without
-    native bf16/fp16 (e.g. AVX2 only) run these several times slower than fp32 plus the casts; CPUs with
-    AVX-512 bf16 or AMX do not, and GPUs never.
+    Measured once at start-up on a decode-shaped batched apply (8 slots x 8 tokens, 576 wide, rank 32 for two
+    sub-modules): CPUs without native bf16/fp16 (e.g. AVX2 only) run these several times slower than fp32
+    plus the casts; CPUs with AVX-512 bf16 or AMX read half the bytes and win. GPUs always keep ``dtype``.
     """
     if device.type != "cpu" or dtype == torch.float32:
         return dtype
     import time
 
-    x = torch.randn(8, 576, dtype=dtype)
-    a = torch.randn(16, 576, dtype=dtype)
-    b = torch.randn(576, 16, dtype=dtype)
+    x = torch.randn(64, 576, dtype=dtype)
+    a = torch.randn(8, 64, 576, dtype=dtype)
+    b = torch.randn(8, 576, 32, dtype=dtype)
+
+    def apply(xx: torch.Tensor, aa: torch.Tensor, bb: torch.Tensor) -> torch.Tensor:
+        u = torch.bmm(xx.to(aa.dtype).view(8, 8, 576), aa.transpose(1, 2))
+        return torch.bmm(u[:, :, :32], bb.transpose(1, 2)).view(64, 576).to(dtype)
 
     def best(fn) -> float:
         fn()
         times = []
-        for _ in range(20):
+        for _ in range(15):
             t = time.perf_counter()
             fn()
             times.append(time.perf_counter() - t)
         return min(times)
 
-    native = best(lambda: (x @ a.T) @ b.T)
     af, bf = a.float(), b.float()
-    upcast = best(lambda: ((x.float() @ af.T) @ bf.T).to(dtype))
+    native = best(lambda: apply(x, a, b))
+    upcast = best(lambda: apply(x, af, bf))
     return torch.float32 if upcast < 0.7 * native else dtype
