@@ -7,6 +7,10 @@
 Waits for every process's READY, prints where clients connect, and runs until SIGINT/SIGTERM. A dead
 gpu_worker (noticed within 0.2 s) or a hung one (the scheduler's step / LoRA-operation timeouts) replaces the
 whole TP group with a new epoch while the tokenizer and scheduler keep serving; a crash loop stops the cluster.
+
+SIGTERM drains first: the front door refuses new requests (HTTP 503, ZMQ ``unavailable``) while those in flight
+finish, for up to ``--shutdown-timeout`` seconds; then the cluster stops. SIGINT (or a second signal during the
+drain) stops at once, answering requests in flight "server shutting down".
 """
 
 from __future__ import annotations
@@ -28,8 +32,17 @@ import msgspec
 import zmq
 
 from ipc.codec import Codec, WireError
-from ipc.config import LoraSpec, ServerArgs, free_tcp_port, make_endpoints
-from ipc.messages import Heartbeat, ProcFailed, ProcReady, RestartWorkers, ToSchedulerMsg, WorkersRestarting
+from ipc.config import DEFAULT_CHUNKED_PREFILL_SIZE, LoraSpec, ServerArgs, free_tcp_port, make_endpoints
+from ipc.messages import (
+    DrainCmd,
+    Heartbeat,
+    ProcFailed,
+    ProcReady,
+    RestartWorkers,
+    ToSchedulerMsg,
+    ToTokenizerMsg,
+    WorkersRestarting,
+)
 from ipc.model_config import UnsupportedModelError, load_model_config
 from ipc.model_source import ModelSourceError, resolve_model_path
 from ipc.proc import STOP_MARKER
@@ -37,6 +50,8 @@ from ipc.sockets import CONTROL_CODEC, make_socket
 
 ROOT = Path(__file__).resolve().parent
 CONTROL_SCHED_CODEC: Codec = Codec(ToSchedulerMsg)
+CONTROL_FRONT_CODEC: Codec = Codec(ToTokenizerMsg)
+DRAIN_GRACE_S = 10.0  # past --shutdown-timeout, how long the front door may take to fail what is left and exit
 SERVICE_START_GRACE_S = 20.0  # seconds a (re)started scheduler/tokenizer may take to send its first heartbeat
 FATAL_EXIT_CODE = 3  # a child that exits with this code must not be restarted (scheduler_proc.main)
 DEFAULT_ENDPOINT = "ipc:///tmp/loom.sock"
@@ -77,6 +92,17 @@ def build_parser() -> argparse.ArgumentParser:
     a("--zmq-endpoint", default=DEFAULT_ENDPOINT, help="client-facing ROUTER address (ipc:// or tcp://)")
     a("--http-port", type=int, default=0, help="serve the HTTP API on this port (0 = off)")
     a("--host", default="127.0.0.1", help="HTTP bind address")
+    a(
+        "--served-model-name",
+        default="",
+        help="the base model's id in the OpenAI API (default: --model-path as given, or SmolLM2-135M-Instruct)",
+    )
+    a(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="on SIGTERM: seconds requests in flight may take to finish while new ones are refused",
+    )
     a("--enable-lora", action="store_true")
     a("--lora-paths", nargs="+", default=[], type=parse_lora_path, metavar="NAME=PATH")
     a("--max-loras-per-batch", type=int, default=8, help="LoRA slots per TP rank")
@@ -85,6 +111,17 @@ def build_parser() -> argparse.ArgumentParser:
     a("--lora-eviction-policy", default="lru", choices=["lru", "fifo"])
     a("--lora-root", default="", help="adapter paths must resolve inside this folder")
     a("--max-loaded-loras", type=int, default=0, help="host-memory tier bound (0 = unbounded)")
+    a(
+        "--disable-radix-cache",
+        action="store_true",
+        help="turn off the prefix cache (reuse of cached KV for prompts that start alike, per adapter)",
+    )
+    a(
+        "--chunked-prefill-size",
+        type=int,
+        default=DEFAULT_CHUNKED_PREFILL_SIZE,
+        help="most prefill tokens per step; longer prompts are prefilled over several steps (0 or less: off)",
+    )
     a("--ready-timeout", type=float, default=300.0, help="seconds to wait for every process's READY")
     a(
         "--step-timeout",
@@ -150,6 +187,8 @@ def to_server_args(ns: argparse.Namespace) -> ServerArgs:
         ready_timeout_s=ns.ready_timeout,
         http_port=ns.http_port,
         http_host=ns.host,
+        served_model_name=ns.served_model_name or ns.model_path or "SmolLM2-135M-Instruct",
+        shutdown_timeout_s=ns.shutdown_timeout,
         endpoints=make_endpoints(front=ns.zmq_endpoint),
         enable_lora=ns.enable_lora,
         lora_paths=list(ns.lora_paths),
@@ -159,6 +198,8 @@ def to_server_args(ns: argparse.Namespace) -> ServerArgs:
         lora_eviction_policy=ns.lora_eviction_policy,
         lora_root=ns.lora_root,
         max_loaded_loras=ns.max_loaded_loras,
+        disable_radix_cache=ns.disable_radix_cache,
+        chunked_prefill_size=ns.chunked_prefill_size,
         log_level=ns.log_level,
     )
 
@@ -194,6 +235,9 @@ class Cluster:
         self.control = make_socket(self.ctx, zmq.PULL, args.endpoints.control, bind=True)
         # the launcher tells the scheduler when it replaces the TP group (a PULL takes several PUSH peers)
         self.to_sched = make_socket(self.ctx, zmq.PUSH, args.endpoints.to_scheduler, bind=False)
+        # ... and the front door when it must drain (its PULL takes the scheduler's PUSH and this one)
+        self.to_front = make_socket(self.ctx, zmq.PUSH, args.endpoints.to_tokenizer, bind=False)
+        self.draining = False
         self.config_file = Path(args.endpoints.socket_dir) / "config.json"
         self.config_file.write_bytes(msgspec.json.encode(args))
         self.epoch = 1
@@ -306,6 +350,8 @@ class Cluster:
             raise RuntimeError(f"{name} exited with code {code} (a fatal error, see its log); stopping the cluster")
         if name.startswith("gpu_worker"):
             self.restart_group(name, f"{name} exited with code {describe_exit(code)}", code)
+        elif name == "tokenizer_proc" and self.draining:
+            return  # it exits by itself once drained: drain() notices
         else:
             self.restart_service(name, code)
 
@@ -413,6 +459,26 @@ class Cluster:
         self.ready_ranks = set()
         self._spawn_workers(f"tcp://127.0.0.1:{free_tcp_port()}")  # a fresh rendezvous for the new group
 
+    def drain(self, timeout_s: float) -> None:
+        """Tell the front door to drain (refuse new requests, let those in flight finish for up to
+        ``timeout_s``, then exit) and keep supervising the rest until it has exited; a worker that dies
+        meanwhile is still replaced, so the requests in flight can finish. Raises _Stop on another signal."""
+        self.draining = True
+        started = time.monotonic()
+        try:
+            self.to_front.send(CONTROL_FRONT_CODEC.encode(DrainCmd(timeout_s)), zmq.NOBLOCK)
+        except zmq.ZMQError as e:
+            log.error("cannot reach the front door to drain it (%s); stopping", e)
+            return
+        deadline = started + timeout_s + DRAIN_GRACE_S
+        while time.monotonic() < deadline:
+            p = self.procs.get("tokenizer_proc")
+            if p is None or p.poll() is not None:
+                log.info("front door drained in %.2f s", time.monotonic() - started)
+                return
+            self.supervise()
+        log.warning("the front door did not finish draining in %.0f s; stopping", timeout_s + DRAIN_GRACE_S)
+
     def stop(self, grace_s: float = 10.0) -> None:
         """SIGTERM the tokenizer, scheduler and workers, SIGKILL stragglers, remove every socket file."""
         order = ["tokenizer_proc", "scheduler_proc"] + [n for n in self.procs if n.startswith("gpu_worker")]
@@ -441,6 +507,7 @@ class Cluster:
                 p.wait()
         self.control.close()
         self.to_sched.close()
+        self.to_front.close()
         self.ctx.destroy(0)
         shutil.rmtree(self.args.endpoints.socket_dir, ignore_errors=True)
         front = self.args.endpoints.front
@@ -459,11 +526,13 @@ def describe_exit(code: int) -> str:
 
 
 class _Stop(Exception):
-    pass
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
 
 
 def _on_signal(signum: int, _frame: object) -> None:
-    raise _Stop(signal.Signals(signum).name)
+    raise _Stop(signum)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -479,15 +548,27 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _on_signal)
     cluster = Cluster(args)
     code = 0
+    up = False
     try:
         cluster.start()
         cluster.wait_ready()
         http = f" and http://{args.http_host}:{args.http_port}" if args.http_port else ""
         print(f"Loom ready: clients connect to {args.endpoints.front}{http} (tp_size={args.tp_size})", flush=True)
+        up = True
         while True:
             cluster.supervise()
     except _Stop as s:
-        log.info("%s received; shutting down", s)
+        if s.signum == signal.SIGTERM and up:
+            log.info("SIGTERM received; draining (up to %.0f s for requests in flight)", args.shutdown_timeout_s)
+            try:
+                cluster.drain(args.shutdown_timeout_s)
+            except _Stop as again:
+                log.info("%s received while draining; stopping now", again)
+            except RuntimeError as e:
+                log.error("%s", e)
+                code = 1
+        else:
+            log.info("%s received; shutting down", s)
     except RuntimeError as e:
         log.error("%s", e)
         code = 1

@@ -96,13 +96,25 @@ def _request(
     stream: bool,
     lora_path: str | None,
     rid: str | None,
+    return_logprob: bool = False,
+    top_logprobs_num: int = 0,
 ) -> GenerateReq:
     try:
         sp = msgspec.convert(sampling_params or {}, SamplingParams)
         msgs = None if messages is None else [msgspec.convert(m, ChatMessage) for m in messages]
     except msgspec.ValidationError as e:
         raise LoomError(f"invalid request: {e}", "bad_request") from None
-    return GenerateReq(text, input_ids, msgs, sp, stream, lora_path, rid or uuid.uuid4().hex)
+    return GenerateReq(
+        text,
+        input_ids,
+        msgs,
+        sp,
+        stream,
+        lora_path,
+        rid or uuid.uuid4().hex,
+        return_logprob=return_logprob,
+        top_logprobs_num=top_logprobs_num,
+    )
 
 
 def _result(msg: GenerateOut) -> dict[str, Any]:
@@ -471,8 +483,14 @@ class LoomClient(_ClientBase):
         lora_path: str | None = None,
         rid: str | None = None,
         retry: bool | None = None,
+        return_logprob: bool = False,
+        top_logprobs_num: int = 0,
     ) -> dict[str, Any] | Iterator[dict[str, Any]]:
         """Generate from exactly one of ``text``, ``input_ids`` or chat ``messages``.
+
+        With ``return_logprob`` the result's ``meta_info`` carries ``output_token_logprobs`` (``[logprob,
+        token_id]`` per generated token) and, with ``top_logprobs_num`` = k in 1..20, ``output_top_logprobs``
+        (the k most likely ``[logprob, token_id]`` at each position).
 
         Returns the result dict, or (``stream=True``) an iterator of cumulative result dicts; closing the
         iterator early aborts the request. ``retry`` overrides the client's choice of resubmitting this
@@ -480,7 +498,9 @@ class LoomClient(_ClientBase):
         server's message on failure, kind ``timeout`` without a reply for ``timeout_s``, ``unavailable`` when
         the server cannot be reached, ``server_error`` when a resumed stream diverged.
         """
-        req = _request(text, input_ids, messages, sampling_params, stream, lora_path, rid)
+        req = _request(
+            text, input_ids, messages, sampling_params, stream, lora_path, rid, return_logprob, top_logprobs_num
+        )
         frame = self._encode(req)
         self._refresh()
         flight = self._start(req, retry)
@@ -693,6 +713,8 @@ class AsyncLoomClient(_ClientBase):
             _stream,
             kw.get("lora_path"),
             kw.get("rid"),
+            kw.get("return_logprob", False),
+            kw.get("top_logprobs_num", 0),
         )
         rid = req.rid
         if rid in self._queues:  # would steal the running request's replies: refuse before sending

@@ -8,6 +8,9 @@ import uuid
 
 import msgspec
 
+# prefill tokens per step on a 2-core CPU: measured in bench/prefix_cache.py (see the README's flag table)
+DEFAULT_CHUNKED_PREFILL_SIZE = 512
+
 
 class LoraSpec(msgspec.Struct, frozen=True):
     """One adapter named on the command line (``--lora-paths``)."""
@@ -54,6 +57,8 @@ class ServerArgs(msgspec.Struct, frozen=True, kw_only=True):
     hang_timeout_s: float = 10.0  # a scheduler/tokenizer whose heartbeats stop this long is killed and restarted
     http_port: int = 0  # 0 = no HTTP server
     http_host: str = "127.0.0.1"
+    served_model_name: str = ""  # the base model's id in the OpenAI API ("" = derived from the model path)
+    shutdown_timeout_s: float = 30.0  # on SIGTERM: how long requests in flight may take to finish
     endpoints: Endpoints
     # multi-LoRA
     enable_lora: bool = False
@@ -64,6 +69,9 @@ class ServerArgs(msgspec.Struct, frozen=True, kw_only=True):
     lora_eviction_policy: str = "lru"
     lora_root: str = ""
     max_loaded_loras: int = 0  # host-memory tier bound (0 = unbounded)
+    # prefix cache and chunked prefill
+    disable_radix_cache: bool = False  # the radix prefix cache (keyed by adapter uid, then token ids) is on by default
+    chunked_prefill_size: int = DEFAULT_CHUNKED_PREFILL_SIZE  # most prefill tokens per step (<= 0: whole prompts)
     log_level: str = "info"
 
 

@@ -60,6 +60,7 @@ class MetaInfo(msgspec.Struct):
     # k most likely [logprob, token_id] pairs at each position (SGLang's names)
     output_token_logprobs: list[tuple[float, int]] | None = None
     output_top_logprobs: list[list[tuple[float, int]]] | None = None
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache (SGLang's name)
 
 
 class AdapterState(msgspec.Struct, array_like=True):
@@ -277,6 +278,7 @@ class TokenOut(msgspec.Struct):
     # [logprob, token_id] pairs; the front door accumulates them into MetaInfo.output_token_logprobs / _top_
     new_token_logprobs: list[tuple[float, int]] | None = None
     new_top_logprobs: list[list[tuple[float, int]]] | None = None
+    cached_tokens: int = 0  # prompt tokens reused from the prefix cache at admission (same on every TokenOut)
 
 
 class BatchTokenOut(msgspec.Struct, tag=True):
@@ -357,6 +359,12 @@ class SchedulerBeat(msgspec.Struct, tag=True):
     waiting_lora_uids: list[str] = []  # adapters of waiting requests
     slot_uids: list[str] = []  # adapters in a slot on rank 0 after the last step
     slot_evictions: int = 0  # adapters evicted from a slot by another since this scheduler started
+    # prefix cache (Scheduler.cache_stats), in tokens: hit rate = cached_tokens_total / prompt_tokens_total
+    prompt_tokens_total: int = 0  # prompt tokens admitted since this scheduler started (each request once)
+    cached_tokens_total: int = 0  # of those, reused from the prefix cache
+    cache_tokens: int = 0  # KV slots the prefix cache holds now
+    cache_evictable_tokens: int = 0  # of those, read by no running request
+    cache_evicted_tokens: int = 0  # freed by LRU eviction since this scheduler started
 
 
 class DrainCmd(msgspec.Struct, tag=True):
@@ -386,7 +394,9 @@ class BatchReq(msgspec.Struct, array_like=True):
     ``input_ids`` are the tokens to run now (the whole prompt at prefill, the last token at decode);
     ``prefix_len`` tokens are already in the KV cache; ``out_slots`` are the KV-cache token slots the new
     tokens are written to (``len(out_slots) == len(input_ids)``); ``req_idx`` is the request's row in the
-    worker's request -> token-slot table.
+    worker's request -> token-slot table. ``prefix_slots`` is sent once, in a request's first plan when its
+    first ``prefix_len`` tokens come from the prefix cache: their slots, which the worker copies into the row
+    (empty otherwise: the row already holds the prefix, or there is none).
     """
 
     rid: str
@@ -398,6 +408,7 @@ class BatchReq(msgspec.Struct, array_like=True):
     sampling: WorkerSampling
     output_len: int = 0  # tokens generated so far (seeds the per-request sampler deterministically)
     logprobs: int = -1  # -1: none; 0: the sampled token's logprob; k > 0: also the k most likely tokens
+    prefix_slots: list[int] = []  # KV slots of the cached prefix (len == prefix_len), first plan only
 
 
 class ForwardBatch(msgspec.Struct, tag=True):

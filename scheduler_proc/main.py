@@ -32,6 +32,7 @@ from ipc.messages import (
     LoraSlotsQuery,
     LoraUnloadCmd,
     RestartWorkers,
+    SchedulerBeat,
     SchedulerHello,
     ShutdownCmd,
     StepResult,
@@ -46,6 +47,7 @@ from ipc.messages import (
 from ipc.model_config import load_model_config
 from ipc.proc import StopRequested, begin_cleanup, child_setup
 from ipc.sockets import CONTROL_CODEC, UNBOUNDED, HeartbeatSender, failed, make_socket, ready
+from scheduler_proc.health import BEAT_INTERVAL_S, RankLiveness, batch_stats, count_evictions
 from scheduler_proc.lora_ops import LoadedAdapter, LoraOps
 from scheduler_proc.recovery import GroupRecovery, RestoreOutcome
 from scheduler_proc.scheduler import Scheduler
@@ -111,6 +113,9 @@ class SchedulerLoop:
         self.incarnation = uuid.uuid4().hex
         self.front_incarnation: str | None = None
         self.restarts: dict[str, int] = dict(restarts or {})
+        self.liveness = RankLiveness(args.tp_size)  # heartbeats for the front door's /health
+        self.last_beat = 0.0
+        self.slot_evictions = 0  # adapters evicted from a slot on rank 0 (for /metrics)
 
     # ------------------------------------------------------------------ start-up
     def wait_for_workers(self) -> None:
@@ -263,10 +268,16 @@ class SchedulerLoop:
             log.error("dropping bad frame from a worker: %s", e)
             return
         if isinstance(msg, WorkerReady):
+            if msg.epoch >= self.recovery.epoch:
+                self.liveness.answered(msg.rank)
             self._on_ready(msg)
             return
         if not self.recovery.is_current(msg.epoch):
             log.info("dropping %s of replaced TP group epoch %d", type(msg).__name__, msg.epoch)
+            return
+        self.liveness.answered(msg.rank)
+        if isinstance(msg, LoraOpAck) and self.liveness.owns(msg.op_id):
+            self.liveness.on_probe_ack(msg.rank)
             return
         if isinstance(msg, StepResult):
             if not self.in_flight or msg.step != self.step_no:
@@ -299,6 +310,7 @@ class SchedulerLoop:
             return
         self.in_flight = False
         self.results = {}
+        self.liveness.reset()
         n = self.sched.requeue_running()
         self.resumed += n
         self.ops.resend_all()
@@ -387,8 +399,9 @@ class SchedulerLoop:
             self._emit(self.sched.fail_in_flight("; ".join(errors)))
             return
         check_digests(results)
+        self.slot_evictions += count_evictions(self.last_tables.get(0, {}), results[0].slots)
         self.last_tables = {r: res.slots for r, res in results.items()}
-        self._emit(self.sched.on_result(results[0].next_ids, results[0].row_errors))
+        self._emit(self.sched.on_result(results[0].next_ids, results[0].row_errors, results[0].logprobs))
 
     # ------------------------------------------------------------------ hang detection
     def _check_timeouts(self) -> None:
@@ -407,6 +420,31 @@ class SchedulerLoop:
             if late is not None:
                 self._request_restart(f"LoRA operation {late} got no answer in {self.args.lora_op_timeout_s:.0f} s")
 
+    # ------------------------------------------------------------------ health
+    def _health_tick(self) -> None:
+        """Probe idle ranks (see :mod:`scheduler_proc.health`) and send the front door its heartbeat."""
+        if self.recovery.serving:
+            busy = self.in_flight or any(op.sent for op in self.ops.pending.values())
+            probe = self.liveness.probe(self.ops.next_internal_id, busy)
+            if probe is not None:
+                self._broadcast(probe)
+        now = time.monotonic()
+        if now - self.last_beat < BEAT_INTERVAL_S:
+            return
+        self.last_beat = now
+        slots = self.last_tables.get(0, {})
+        self._to_front(
+            SchedulerBeat(
+                self.incarnation,
+                self.recovery.epoch,
+                rank_silence_s=self.liveness.silence(),
+                unresponsive=self.liveness.unresponsive() if self.recovery.serving else {},
+                slot_uids=sorted(slots),
+                slot_evictions=self.slot_evictions,
+                **batch_stats(self.sched),
+            )
+        )
+
     # ------------------------------------------------------------------ loop
     def run(self) -> None:
         """Serve until ShutdownCmd or SIGTERM."""
@@ -415,6 +453,7 @@ class SchedulerLoop:
         poller.register(self.workers, zmq.POLLIN)
         while True:
             self.heartbeat.beat()
+            self._health_tick()
             if not self.in_flight and self.recovery.serving:
                 for m in self.ops.ready_to_send(self.sched.uses_adapter, self.sched.can_pin):
                     self._broadcast(m)

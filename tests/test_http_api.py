@@ -1,23 +1,18 @@
-"""End-to-end tests of the HTTP API (tokenizer_proc/http_api.py).
+"""Tests of the HTTP API (tokenizer_proc/http_app.py on uvicorn, tokenizer_proc/http_server.py).
 
-A real cluster is started the way a user starts one (``python launch.py --http-port ...``) and driven with the
-standard library only: ``http.client`` for HTTP, and a raw ``socket`` for requests no HTTP client would send.
+A real cluster is started the way a user starts one (``python launch.py --http-port ...``, through
+``loom_helpers.launch_http_cluster``) and driven with the standard library only: ``http.client`` for HTTP, and a
+raw ``socket`` for requests no HTTP client would send. The last tests serve the app over a scripted front door
+in-process, for paths a real cluster rarely takes on demand.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import http.client
 import json
-import os
 import re
-import shutil
-import signal
 import socket
-import subprocess
-import sys
-import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -25,107 +20,32 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from loom_helpers import ClusterHandle, launch_http_cluster
+from prometheus_client.parser import text_string_to_metric_families
 
 from ipc.messages import AdminOut, ErrorOut, FinishReason, GenerateOut, GenerateReq, MetaInfo
-from tokenizer_proc.front_door import ClusterHealth
-from tokenizer_proc.http_api import HttpApi, HttpSink, start_http
+from tokenizer_proc.health import ClusterHealth
+from tokenizer_proc.http_io import HttpSink
+from tokenizer_proc.http_server import HttpServer, start_http
+from tokenizer_proc.metrics import Metrics
 
-ROOT = Path(__file__).resolve().parent.parent
-READY_TIMEOUT_S = 300.0  # the first run ever converts the embedded GGUF (about 20 s), later ones take ~10 s
-STOP_TIMEOUT_S = 20.0
 FRANCE = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
 
 slow = pytest.mark.slow  # tests that start a cluster
 
 
-# ----------------------------------------------------------------------------- cluster
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Cluster:
-    """A ``launch.py`` subprocess with the HTTP API on ``port``; its output is collected in ``lines``."""
+    """The HTTP port of a running cluster (``port``) and its launcher handle."""
 
-    def __init__(self, extra: list[str]) -> None:
-        self.port = _free_port()
-        # a short folder: unix socket paths are limited to 107 bytes and pytest's tmp_path can be long
-        self.sock_dir = tempfile.mkdtemp(prefix="loom-http-", dir="/tmp" if os.path.isdir("/tmp") else None)
-        cmd = [sys.executable, "launch.py", "--http-port", str(self.port), "--max-total-tokens", "4096"]
-        cmd += ["--zmq-endpoint", f"ipc://{self.sock_dir}/x.sock", *extra]
-        self.lines: list[str] = []
-        self.ready = threading.Event()
-        self.proc = subprocess.Popen(
-            cmd,
-            cwd=ROOT,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            start_new_session=True,
-        )
-        threading.Thread(target=self._pump, daemon=True).start()
-
-    def _pump(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.lines.append(line.rstrip("\n"))
-            if line.startswith("Loom ready:"):
-                self.ready.set()
-
-    def output(self) -> str:
-        """The cluster's log so far (for failure messages)."""
-        return "\n".join(self.lines[-60:])
-
-    def wait_ready(self) -> None:
-        """Block until ``Loom ready:``; fail with the log if the launcher exits or hangs."""
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        while not self.ready.wait(0.2):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                pytest.fail(f"cluster did not become ready (exit code {self.proc.returncode}):\n{self.output()}")
-
-    def child_pids(self) -> list[int]:
-        """Pids the launcher reported for its children (they run in their own sessions)."""
-        return [int(m.group(1)) for line in self.lines if (m := re.search(r" ready \(pid (\d+)\)", line))]
-
-    def stop(self) -> None:
-        """SIGINT the launcher; past STOP_TIMEOUT_S kill its process group and every child it reported."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-        try:
-            code = self.proc.wait(STOP_TIMEOUT_S)
-            shutil.rmtree(self.sock_dir, ignore_errors=True)
-            if code != 0 and self.ready.is_set():
-                pytest.fail(f"launcher exited with code {code} (a process died?):\n{self.output()}")
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            for pid in self.child_pids():
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(pid, signal.SIGKILL)
-            self.proc.wait(10)
-            shutil.rmtree(self.sock_dir, ignore_errors=True)
-            pytest.fail(f"launcher did not stop within {STOP_TIMEOUT_S} s of SIGINT:\n{self.output()}")
-
-
-@contextlib.contextmanager
-def running_cluster(extra: list[str] | None = None) -> Iterator[Cluster]:
-    """Start a cluster, yield it once ready, always stop it."""
-    c = Cluster(extra or [])
-    try:
-        c.wait_ready()
-        yield c
-    finally:
-        c.stop()
+    def __init__(self, handle: ClusterHandle) -> None:
+        self.handle = handle
+        self.port = handle.http_port
 
 
 @pytest.fixture(scope="module")
-def server() -> Iterator[Cluster]:
-    with running_cluster() as c:
-        yield c
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    with launch_http_cluster(tmp_path_factory.mktemp("http"), "--max-total-tokens", "4096") as h:
+        yield Cluster(h)
 
 
 # ----------------------------------------------------------------------------- HTTP helpers
@@ -267,7 +187,7 @@ def test_routing_errors(server: Cluster) -> None:
     status, headers, data = call(server.port, "GET", "/generate")
     assert status == 405 and headers["allow"] == "POST", data
     status, headers, _ = call(server.port, "POST", "/health", {})
-    assert status == 405 and headers["allow"] == "GET"
+    assert status == 405 and headers["allow"] == "GET, HEAD"
     assert_healthy(server.port)
 
 
@@ -276,19 +196,35 @@ def test_protocol_errors(server: Cluster) -> None:
     p = server.port
     assert raw(p, b"NONSENSE\r\n\r\n").startswith(b"HTTP/1.1 400 ")
     assert raw(p, b"GET /health HTTP/1.1\r\nno colon here\r\n\r\n").startswith(b"HTTP/1.1 400 ")
-    assert raw(p, b"GET /health HTTP/7.0\r\n\r\n").startswith(b"HTTP/1.1 505 ")
     assert raw(p, b"POST /generate HTTP/1.1\r\nContent-Length: -1\r\n\r\n").startswith(b"HTTP/1.1 400 ")
-    chunked = b"POST /generate HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n"
-    assert raw(p, chunked).startswith(b"HTTP/1.1 411 ")
-    big = b"POST /generate HTTP/1.1\r\nContent-Length: %d\r\n\r\n" % (64 << 20)
+    # chunked request bodies are read (this one is not JSON)
+    chunked = b"POST /generate HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n"
+    out = raw(p, chunked + b"5\r\nhello\r\n0\r\n\r\n")
+    assert out.startswith(b"HTTP/1.1 400 ") and b"not valid JSON" in out, out
+    big = b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % (64 << 20)
     assert raw(p, big).startswith(b"HTTP/1.1 413 ")
-    assert raw(p, b"GET /" + b"x" * 20000 + b" HTTP/1.1\r\n\r\n").startswith(b"HTTP/1.1 414 ")
+    assert raw(p, b"GET /" + b"x" * 20000 + b" HTTP/1.1\r\n\r\n").startswith(b"HTTP/1.1 400 ")
     # two pipelined requests on one connection, the second asking to close it
-    out = raw(p, b"GET /health HTTP/1.1\r\nHost: x\r\n\r\nGET /health HTTP/1.1\r\nConnection: close\r\n\r\n")
+    out = raw(p, b"GET /health HTTP/1.1\r\nHost: x\r\n\r\nGET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
     assert out.count(b"HTTP/1.1 200 OK") == 2 and out.endswith(b'{"status":"ok"}')
     # HTTP/1.0: answered, then closed
     assert raw(p, b"GET /health HTTP/1.0\r\n\r\n").endswith(b'{"status":"ok"}')
     assert_healthy(p)
+
+
+@slow
+def test_head_keeps_the_connection_framed(server: Cluster) -> None:
+    """HEAD answers headers only (a GET route 200, a POST route 405), so the next response on the same
+    keep-alive connection starts right after them (the old server sent a 405 with a body here)."""
+    for path in (b"/health", b"/generate"):
+        out = raw(
+            server.port,
+            b"HEAD %s HTTP/1.1\r\nHost: x\r\n\r\nGET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n" % path,
+        )
+        head, sep, rest = out.partition(b"\r\n\r\n")
+        assert sep and rest.startswith(b"HTTP/1.1 200 OK\r\n"), out
+        assert head.startswith(b"HTTP/1.1 200 " if path == b"/health" else b"HTTP/1.1 405 "), out
+        assert rest.endswith(b'{"status":"ok"}'), out
 
 
 @slow
@@ -319,7 +255,7 @@ def test_client_disconnect_aborts(server: Cluster) -> None:
     # non-streaming client leaves while waiting for its result
     with socket.create_connection(("127.0.0.1", p)) as s:
         body = json.dumps(long_req).encode()
-        s.sendall(b"POST /generate HTTP/1.1\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+        s.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
         deadline = time.monotonic() + 10
         while running_requests(p) == 0:  # it is running before its client leaves
             assert time.monotonic() < deadline
@@ -341,12 +277,66 @@ def test_lora_admin_without_lora(server: Cluster) -> None:
     assert status == 404 and "never been loaded" in out["error"]["message"]
 
 
+def scrape(port: int) -> dict[tuple[str, tuple], float]:
+    """``/metrics`` parsed with prometheus_client: ``{(sample name, sorted label items): value}``."""
+    _, _, data = call(port, "GET", "/metrics")
+    out = {}
+    for fam in text_string_to_metric_families(data.decode()):
+        for s in fam.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def http_count(m: dict, path: str, status: int, outcome: str) -> float:
+    return m.get(("loom_http_requests_total", (("outcome", outcome), ("path", path), ("status", str(status)))), 0.0)
+
+
+def duration_count(m: dict, path: str, outcome: str) -> float:
+    return m.get(("loom_http_request_duration_seconds_count", (("outcome", outcome), ("path", path))), 0.0)
+
+
 @slow
 def test_metrics(server: Cluster) -> None:
     status, headers, data = call(server.port, "GET", "/metrics")
     assert status == 200 and headers["content-type"].startswith("text/plain")
-    assert b'loom_http_requests_total{path="/health",status="200"}' in data
-    assert b"loom_generate_e2e_seconds_count" in data
+    m = scrape(server.port)
+    assert http_count(m, "/health", 200, "success") >= 1
+    assert ("loom_healthy", ()) in m and ("vllm:num_requests_waiting", ()) in m
+
+
+@slow
+def test_every_request_is_counted_once_with_its_outcome(server: Cluster) -> None:
+    """A client that leaves a non-streaming /generate after 200 ms, or a stream after its first event, is counted
+    once as client_disconnected (status 499) with a latency sample; a complete request once as success."""
+    p = server.port
+    long_req = {"text": "Tell me a story.", "sampling_params": {"max_new_tokens": 300, "ignore_eos": True}}
+    before = scrape(p)
+    body = json.dumps(long_req).encode()
+    with socket.create_connection(("127.0.0.1", p)) as s:
+        s.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+        time.sleep(0.2)
+    body = json.dumps({**long_req, "stream": True}).encode()
+    with socket.create_connection(("127.0.0.1", p), timeout=60) as s:
+        s.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+        got = b""
+        while b"data: {" not in got:  # the first event
+            got += s.recv(65536)
+    wait_idle(p, 10.0)
+    status, out = call_json(p, "POST", "/generate", {"text": "Hello", "sampling_params": {"max_new_tokens": 2}})
+    assert status == 200, out
+    after = scrape(p)
+    assert (
+        http_count(after, "/generate", 499, "client_disconnected")
+        - http_count(before, "/generate", 499, "client_disconnected")
+        == 2
+    )
+    assert (
+        duration_count(after, "/generate", "client_disconnected")
+        - duration_count(before, "/generate", "client_disconnected")
+        == 2
+    )
+    assert http_count(after, "/generate", 200, "success") - http_count(before, "/generate", 200, "success") == 1
+    assert duration_count(after, "/generate", "success") - duration_count(before, "/generate", "success") == 1
 
 
 def _make_adapter(folder: Path) -> None:
@@ -372,8 +362,8 @@ def test_lora_admin_endpoints(tmp_path: Path) -> None:
     # its own cluster, with --enable-lora (in a full run the base cluster idles meanwhile)
     adapter = tmp_path / "adapters" / "tiny"
     _make_adapter(adapter)
-    with running_cluster(["--enable-lora", "--max-lora-rank", "8"]) as lc:
-        p = lc.port
+    with launch_http_cluster(tmp_path / "cluster", "--enable-lora", "--max-lora-rank", "8") as lc:
+        p = lc.http_port
         status, out = call_json(p, "POST", "/load_lora_adapter", {"lora_name": "tiny", "lora_path": str(adapter)})
         assert status == 200 and out["success"] is True, out
         status, out = call_json(p, "GET", "/list_loras")
@@ -405,13 +395,19 @@ class FakeDoor:
     """Stands in for FrontDoor: ``text`` picks a script of replies."""
 
     def __init__(self) -> None:
-        self.args = SimpleNamespace(model_path="/models/fake", enable_lora=True)
+        self.args = SimpleNamespace(
+            model_path="/models/fake", enable_lora=True, served_model_name="fake", max_loras_per_batch=8
+        )
         self.context_len = 4096
         self.vocab_size = 100
         self.pending: dict[str, object] = {}
         self.sinks: list[HttpSink] = []
         self.aborted: list[str] = []
-        self.health = ClusterHealth()
+        self.health = ClusterHealth(silence_limit_s=float("inf"))  # no scheduler sends heartbeats here
+        self.registry = SimpleNamespace(loaded={}, refs={})
+        self.codec = SimpleNamespace(decode=lambda ids, skip_special_tokens=True: "".join(map(str, ids)))
+        self.metrics = Metrics()
+        self.metrics.watch(self)  # type: ignore[arg-type]
 
     async def generate(self, req: GenerateReq, sink: HttpSink) -> None:
         loop = asyncio.get_running_loop()
@@ -435,8 +431,9 @@ class FakeDoor:
             loop.call_later(0.01, sink.send, chunk(1))
             loop.call_later(0.02, sink.send, chunk(2, finished=True))
 
-    def abort_sink(self, sink: HttpSink, reason: str) -> None:
+    def abort_sink(self, sink: HttpSink, reason: str) -> int:
         self.aborted.append(reason)
+        return 1
 
     def fail_all(self, message: str) -> None:
         for s in self.sinks:
@@ -446,12 +443,12 @@ class FakeDoor:
         raise RuntimeError("LoRA operation 1 got no answer in 300 s")
 
 
-Fake = tuple[HttpApi, FakeDoor, asyncio.AbstractEventLoop]
+Fake = tuple[HttpServer, FakeDoor, asyncio.AbstractEventLoop]
 
 
 @pytest.fixture
 def fake() -> Iterator[Fake]:
-    """An HttpApi over a FakeDoor, served from an event loop in a background thread."""
+    """The HTTP server over a FakeDoor, served from an event loop in a background thread."""
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
@@ -460,7 +457,7 @@ def fake() -> Iterator[Fake]:
     try:
         yield api, door, loop
     finally:
-        loop.call_soon_threadsafe(api.close)
+        asyncio.run_coroutine_threadsafe(api.stop(), loop).result(15)
         loop.call_soon_threadsafe(loop.stop)
         thread.join(10)
         loop.close()
@@ -507,15 +504,16 @@ def test_fake_shutdown_answers_requests_in_flight(fake: Fake) -> None:
         assert time.monotonic() < deadline
         time.sleep(0.01)
 
-    def shutdown() -> None:  # what tokenizer_proc.main does on SIGTERM
+    async def shutdown() -> None:  # what tokenizer_proc.main does when the cluster stops
         door.fail_all("server shutting down")
-        api.close()
+        await api.stop()
 
-    loop.call_soon_threadsafe(shutdown)
+    stopped = asyncio.run_coroutine_threadsafe(shutdown(), loop)
     r = plain.getresponse()
     assert r.status == 500 and json.loads(r.read())["error"]["message"] == "server shutting down"
     rest = read_events(stream)
     assert rest == ['{"error":{"message":"server shutting down","kind":"server_error"}}', "[DONE]"], rest
+    stopped.result(10)
 
 
 def test_fake_health_is_503_while_the_tp_group_restarts(fake: Fake) -> None:

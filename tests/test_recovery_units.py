@@ -181,7 +181,7 @@ def test_front_door_health_metrics_and_registry_follow_cluster_events(model_path
 
     from ipc.messages import ClusterEvent, LostAdapter
     from tokenizer_proc.front_door import FrontDoor
-    from tokenizer_proc.http_api import FailoverCollector
+    from tokenizer_proc.metrics import FailoverCollector
 
     door = FrontDoor(make_args(model_path, enable_lora=True), lambda _m: None)
     door.registry.loaded.clear()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -28,12 +29,15 @@ from ipc.messages import (
     LoraListOut,
     LoraOpResult,
     MetaInfo,
+    SchedulerBeat,
     ServerMsg,
     TokenizedReq,
     TokenOut,
 )
 from ipc.model_config import load_model_config
+from tokenizer_proc.health import ClusterHealth
 from tokenizer_proc.lora_admin import LoraAdmin
+from tokenizer_proc.metrics import Metrics
 from tokenizer_proc.registry import AdapterRefused, LoraRegistry, UnknownAdapter
 from tokenizer_proc.stop_text import StopText
 from tokenizer_proc.text import ChatTemplateError, IncrementalText, TextCodec
@@ -41,6 +45,7 @@ from tokenizer_proc.validate import (
     BadRequest,
     check_one_prompt,
     check_prompt_chars,
+    validate_logprobs,
     validate_prompt_ids,
     validate_sampling,
 )
@@ -72,19 +77,7 @@ class Sink(Protocol):
         ...
 
 
-@dataclass
-class ClusterHealth:
-    """What the front door knows of the cluster: why it cannot serve now (None = it can), and counters."""
-
-    unavailable: str | None = None
-    restarts: dict[str, int] = field(default_factory=dict)  # process -> restarts
-    resumed: int = 0  # running requests re-admitted after a TP group restart
-    adapters_lost: int = 0  # adapters a restart could not restore
-
-    def merge_restarts(self, counts: dict[str, int]) -> None:
-        """Take the launcher's restart counts (from whichever process forwards them; never go back)."""
-        for proc, n in counts.items():
-            self.restarts[proc] = max(n, self.restarts.get(proc, 0))
+__all__ = ["ClusterHealth", "FrontDoor", "Overloaded", "Sink"]
 
 
 @dataclass
@@ -100,12 +93,18 @@ class Pending:
     lora_name: str | None
     req: TokenizedReq  # what was sent, kept to resubmit it after a scheduler restart
     aborted: bool = False
+    arrived: float = field(default_factory=time.monotonic)  # when the front door got it (latency metrics)
+    last_token_at: float | None = None  # when its latest tokens arrived (None: none yet)
+    token_logprobs: list[tuple[float, int]] = field(default_factory=list)  # with return_logprob, per token
+    top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)  # with top_logprobs_num > 0
 
 
 class FrontDoor:
     """Validation, tokenization, the LoRA registry and reply routing. ``send_to_scheduler`` is injected."""
 
-    def __init__(self, args: ServerArgs, send_to_scheduler: Callable[[object], None]) -> None:
+    def __init__(
+        self, args: ServerArgs, send_to_scheduler: Callable[[object], None], metrics: Metrics | None = None
+    ) -> None:
         self.args = args
         self.send = send_to_scheduler
         self.codec = TextCodec(args.model_path)
@@ -115,7 +114,10 @@ class FrontDoor:
             self.context_len = min(self.context_len, args.max_total_tokens)
         self.vocab_size = cfg.vocab_size
         self.health = ClusterHealth()
-        self.lora = LoraAdmin(args, send_to_scheduler, self.health, cfg.tie_word_embeddings)  # registry, LoRA commands
+        self.metrics = metrics or Metrics()
+        self.lora = LoraAdmin(  # the registry and LoRA commands
+            args, send_to_scheduler, self.health, cfg.tie_word_embeddings, on_loaded=self.metrics.lora_loaded
+        )
         self.pending: dict[str, Pending] = {}
         self.by_client: dict[tuple[int, str], str] = {}
         self.intake: dict[tuple[int, str], Intake] = {}  # requests being validated and tokenized
@@ -124,6 +126,7 @@ class FrontDoor:
         self._tokenizer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
         self.sched_incarnation: str | None = None
         self.synced = asyncio.Event()  # set by the first ClusterView: the registry agrees with the workers
+        self.metrics.watch(self)
 
     # ------------------------------------------------------------------ generate
     def _check_chars(self, what: str, n_chars: int, req: GenerateReq) -> None:
@@ -156,9 +159,14 @@ class FrontDoor:
         finally:
             self.tokenizing -= 1
 
-    async def _prompt_ids(self, req: GenerateReq) -> list[int]:
+    async def prompt_ids(self, req: GenerateReq) -> list[int]:
         """The prompt's token ids. Every length is checked before the prompt is walked or tokenized, and a long
-        prompt is tokenized off the event loop, so a huge request never stalls the streams of others."""
+        prompt is tokenized off the event loop, so a huge request never stalls the streams of others.
+
+        Raises:
+            BadRequest / ChatTemplateError: the prompt is malformed or can never fit the context.
+            Overloaded: too many long prompts wait for the tokenizer thread.
+        """
         check_one_prompt(req)
         if req.input_ids is not None:
             n = len(req.input_ids)
@@ -199,8 +207,12 @@ class FrontDoor:
         ``overloaded`` when ``--max-queued-requests`` requests are already queued, running or being tokenized.
         A request aborted (or failed by :meth:`fail_all`) while it is being tokenized is never submitted.
         """
+        arrived = time.monotonic()
         client_rid = req.rid or uuid.uuid4().hex
         key = (id(sink), client_rid)
+        if self.health.draining is not None:
+            sink.send(ErrorOut(client_rid, self.health.draining, "unavailable"))
+            return
         busy = self._overloaded()
         if busy is not None:
             sink.send(ErrorOut(client_rid, busy, "overloaded"))
@@ -211,7 +223,8 @@ class FrontDoor:
         entry = self.intake[key] = Intake(client_rid, sink)
         try:
             validate_sampling(req, self.context_len, self.vocab_size)
-            ids = await self._prompt_ids(req)
+            validate_logprobs(req)
+            ids = await self.prompt_ids(req)
             validate_prompt_ids(ids, req.sampling_params.max_new_tokens, self.context_len, self.vocab_size)
             uid = await self.resolve_adapter(req.lora_path)
         except (BadRequest, ChatTemplateError, AdapterRefused) as e:
@@ -241,11 +254,20 @@ class FrontDoor:
             sink.send(GenerateOut(client_rid, "", [], meta, True))
             return
         rid = uuid.uuid4().hex
-        msg = TokenizedReq(rid, ids, req.sampling_params, uid, req.stream)
+        msg = TokenizedReq(
+            rid,
+            ids,
+            req.sampling_params,
+            uid,
+            req.stream,
+            return_logprob=req.return_logprob,
+            top_logprobs_num=req.top_logprobs_num if req.return_logprob else 0,
+        )
         self.pending[rid] = Pending(
-            rid, client_rid, sink, req.stream, IncrementalText(self.codec), len(ids), req.lora_path, msg
+            rid, client_rid, sink, req.stream, IncrementalText(self.codec), len(ids), req.lora_path, msg, False, arrived
         )
         self.by_client[key] = rid
+        self.metrics.request_submitted(len(ids), req.lora_path)
         self.send(msg)
 
     def abort(self, sink: Sink, client_rid: str, reason: str = "aborted by client") -> None:
@@ -287,10 +309,48 @@ class FrontDoor:
             # message of the old scheduler may repeat tokens the client already has; deliver each token once
             start = item.completion_tokens - len(item.new_ids)
             if start < len(p.text.ids) and item.new_ids:
-                item = msgspec.structs.replace(item, new_ids=item.new_ids[len(p.text.ids) - start :])
+                skip = len(p.text.ids) - start
+                item = msgspec.structs.replace(
+                    item,
+                    new_ids=item.new_ids[skip:],
+                    new_token_logprobs=None if item.new_token_logprobs is None else item.new_token_logprobs[skip:],
+                    new_top_logprobs=None if item.new_top_logprobs is None else item.new_top_logprobs[skip:],
+                )
                 if not item.new_ids and not item.finished:
                     continue
+            self._account(p, item)
             self._deliver(p, item)
+
+    def _account(self, p: Pending, item: TokenOut) -> None:
+        """Metrics and logprobs of ``item``'s new tokens (before they are delivered)."""
+        now = time.monotonic()
+        if item.new_ids:
+            first = now - p.arrived if p.last_token_at is None else None
+            gap = None if p.last_token_at is None else now - p.last_token_at
+            self.metrics.tokens_delivered(len(item.new_ids), first, gap)
+            p.last_token_at = now
+            if p.req.return_logprob and item.new_token_logprobs is not None:
+                p.token_logprobs.extend(item.new_token_logprobs)
+            if p.req.top_logprobs_num and item.new_top_logprobs is not None:
+                p.top_logprobs.extend(item.new_top_logprobs)
+        if item.finished:
+            reason = "error" if item.error is not None else (item.finish_reason.type if item.finish_reason else "stop")
+            self.metrics.request_finished(now - p.arrived, reason)
+
+    def _meta(self, p: Pending, item: TokenOut) -> MetaInfo:
+        """The client's meta_info for ``item`` (cumulative logprobs when the request asked for them)."""
+        meta = MetaInfo(
+            p.client_rid,
+            item.prompt_tokens,
+            item.completion_tokens,
+            item.finish_reason if item.finished else None,
+            p.lora_name,
+        )
+        if p.req.return_logprob and p.token_logprobs:
+            meta.output_token_logprobs = list(p.token_logprobs)
+            if p.req.top_logprobs_num and p.top_logprobs:
+                meta.output_top_logprobs = list(p.top_logprobs)
+        return meta
 
     def _deliver(self, p: Pending, item: TokenOut) -> None:
         if not (p.stream or item.finished or item.error):
@@ -309,23 +369,25 @@ class FrontDoor:
             text = stops.final(text, p.text.ids)  # cut where the first stop string begins
         elif not item.finished and stops:
             text = stops.visible(text, p.text.ids)  # hold back what may still become a stop string
-        meta = MetaInfo(
-            p.client_rid, item.prompt_tokens, item.completion_tokens, fr if item.finished else None, p.lora_name
-        )
-        ok = p.sink.send(GenerateOut(p.client_rid, text, list(p.text.ids), meta, item.finished))
+        ok = p.sink.send(GenerateOut(p.client_rid, text, list(p.text.ids), self._meta(p, item), item.finished))
         if not ok and not item.finished:
             log.info("client of %s is gone; aborting", p.client_rid)
             self.send(AbortRid(p.rid, "client disconnected"))
 
-    def fail_all(self, message: str) -> None:
-        """End every pending request with a server error (the cluster is going down); requests still being
-        tokenized get the same error instead of being submitted."""
+    def fail_all(self, message: str, only: Callable[[Sink], bool] | None = None, kind: str = "server_error") -> None:
+        """End every pending request (of the sinks ``only`` accepts, default all) with an error of ``kind`` (the
+        cluster is going down); requests still being tokenized get the same error instead of being submitted."""
         for entry in self.intake.values():
-            entry.failed = entry.failed or message
-        for p in list(self.pending.values()):
-            p.sink.send(ErrorOut(p.client_rid, message, "server_error"))
-        self.pending.clear()
-        self.by_client.clear()
+            if only is None or only(entry.sink):
+                entry.failed = entry.failed or message
+        now = time.monotonic()
+        for rid, p in list(self.pending.items()):
+            if only is not None and not only(p.sink):
+                continue
+            p.sink.send(ErrorOut(p.client_rid, message, kind))
+            self.metrics.request_finished(now - p.arrived, "error")
+            del self.pending[rid]
+            self.by_client.pop((id(p.sink), p.client_rid), None)
 
     # ------------------------------------------------------------------ LoRA: delegated to LoraAdmin
     @property
@@ -352,6 +414,19 @@ class FrontDoor:
     def on_op_result(self, msg: LoraOpResult) -> None:
         """Complete the waiting LoRA load/unload/list call."""
         self.lora.on_op_result(msg)
+
+    def on_scheduler_beat(self, beat: SchedulerBeat) -> None:
+        """The scheduler's heartbeat: its loop runs; which TP ranks answer; the batch (for /metrics)."""
+        self.health.on_beat(beat)
+
+    def begin_drain(self, reason: str) -> None:
+        """Stop admitting requests (they get ``unavailable``); those in flight go on."""
+        self.health.draining = reason
+
+    @property
+    def in_flight(self) -> int:
+        """Requests queued, running or being tokenized."""
+        return len(self.pending) + len(self.intake)
 
     def on_cluster_event(self, ev: ClusterEvent) -> None:
         """Track the TP group's health; forget adapters a worker restart could not restore."""
@@ -389,7 +464,7 @@ class FrontDoor:
         """Send every pending request again to a new scheduler; returns how many."""
         for p in list(self.pending.values()):
             r = p.req
-            self.send(TokenizedReq(r.rid, r.input_ids, r.sampling, r.lora_uid, r.stream, list(p.text.ids), True))
+            self.send(msgspec.structs.replace(r, output_ids=list(p.text.ids), resume=True))
             if p.aborted:
                 self.send(AbortRid(p.rid, "aborted by client"))
         return len(self.pending)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import time
 from collections.abc import Callable, Coroutine
 from typing import Any, Protocol
 
@@ -59,10 +60,12 @@ class LoraAdmin:
         send: Callable[[object], None],
         health: LostCounter,
         tie_word_embeddings: bool | None = None,
+        on_loaded: Callable[[str, float], None] | None = None,
     ) -> None:
         self.args = args
         self.send = send
         self.health = health
+        self.on_loaded = on_loaded  # (kind, seconds) of each load that succeeded on every rank (metrics)
         self.registry = LoraRegistry(
             lora_root=args.lora_root,
             max_lora_rank=args.max_lora_rank,
@@ -169,6 +172,7 @@ class LoraAdmin:
     async def _run_load(self, name: str) -> AdminOut:
         """Drive the load (or reload) of ``name`` begun in the registry to its end, then evict over capacity."""
         t = self._in_flight(name, ("load", "reload"))
+        started = time.monotonic()
         try:
             res = await self._op(lambda op: LoraLoadCmd(op, t.uid, name, t.path, t.pinned))
         except RuntimeError as e:  # no answer: the ranks may still load it later, so unload it after all
@@ -188,6 +192,8 @@ class LoraAdmin:
             raise err
         e = self.registry.finish_load(name, ok=True, content_hash=res.content_hash)
         self._settled(name)
+        if self.on_loaded is not None:
+            self.on_loaded(t.kind, time.monotonic() - started)
         await self._evict_over_capacity(keep=name)
         return AdminOut(True, f"loaded {name}", {"uid": e.uid, "rank": e.rank})
 
@@ -372,11 +378,14 @@ class LoraAdmin:
 
     async def _finish_restore(self, name: str, op_id: int, fut: asyncio.Future) -> None:
         t = self._in_flight(name, ("restore",))
+        started = time.monotonic()
         try:
             res = await self._wait_op(op_id, fut)
         except RuntimeError as err:
             res = LoraOpResult(op_id, False, str(err))
             self._unload_stray(t.uid, name)
+        if res.ok and self.on_loaded is not None:
+            self.on_loaded("restore", time.monotonic() - started)
         lost_meanwhile = t.forget
         self.registry.finish_load(name, ok=res.ok)
         self._settled(name, None if res.ok else RuntimeError(res.error or "restore failed"))

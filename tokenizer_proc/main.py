@@ -43,6 +43,7 @@ from ipc.messages import (
     ClientMsg,
     ClusterEvent,
     ClusterView,
+    DrainCmd,
     ErrorOut,
     FrontDoorHello,
     GenerateOut,
@@ -51,6 +52,7 @@ from ipc.messages import (
     ListLorasReq,
     LoadLoraReq,
     LoraOpResult,
+    SchedulerBeat,
     ServerMsg,
     ToSchedulerMsg,
     ToTokenizerMsg,
@@ -192,6 +194,8 @@ class FrontDoorServer:
         self._backlog: set[ZmqSink] = set()
         self._backlog_wake = asyncio.Event()
         self.stop = asyncio.Event()
+        self.drained = False  # a drain (SIGTERM to the cluster) ended: exit without being restarted
+        self._drain: asyncio.Task | None = None
 
     def _send_sched(self, msg: object) -> None:
         """Queue ``msg`` for the scheduler. The socket has no high-water mark, so this never drops: while the
@@ -363,7 +367,7 @@ class FrontDoorServer:
             elif isinstance(msg, ListLorasReq):
                 sink.send(await self.door.list_adapters())
             elif isinstance(msg, HealthReq):
-                down = self.door.health.unavailable
+                down = self.door.health.problem()
                 sink.send(AdminOut(down is None, down or "ok", {"running": len(self.door.pending)}))
         except (AdapterRefused, UnknownAdapter) as e:
             sink.send(AdminOut(False, str(e)))
@@ -380,7 +384,14 @@ class FrontDoorServer:
             except WireError as e:
                 log.error("dropping bad frame from scheduler: %s", e)
                 continue
-            if isinstance(msg, BatchTokenOut):
+            if isinstance(msg, DrainCmd):  # from the launcher, which shares this socket
+                if self._drain is None:
+                    self._drain = asyncio.ensure_future(self.drain(msg.timeout_s))
+                continue
+            self.door.health.heard_from_scheduler()
+            if isinstance(msg, SchedulerBeat):
+                self.door.on_scheduler_beat(msg)
+            elif isinstance(msg, BatchTokenOut):
                 self.door.on_tokens(msg)
             elif isinstance(msg, LoraOpResult):
                 self.door.on_op_result(msg)
@@ -388,6 +399,26 @@ class FrontDoorServer:
                 self.door.on_cluster_event(msg)
             elif isinstance(msg, ClusterView):
                 self.door.on_cluster_view(msg)
+
+    async def drain(self, timeout_s: float) -> None:
+        """Stop admitting (new requests get ``unavailable`` / HTTP 503), wait up to ``timeout_s`` for the
+        requests in flight, fail what is left, then make :meth:`run` return (the process exits, and the
+        launcher stops the rest of the cluster)."""
+        self.door.begin_drain(
+            f"Loom is shutting down: new requests are refused while those in flight finish (up to {timeout_s:g} s)"
+        )
+        started = time.monotonic()
+        log.info("draining: %d requests in flight; waiting up to %.0f s", self.door.in_flight, timeout_s)
+        while self.door.in_flight and time.monotonic() - started < timeout_s:
+            await asyncio.sleep(0.05)
+        left = self.door.in_flight
+        if left:
+            log.warning("drain: %d requests still running after %.0f s; failing them", left, timeout_s)
+            self.door.fail_all(f"server shutting down: the request did not finish within {timeout_s:g} s")
+        else:
+            log.info("drained in %.2f s", time.monotonic() - started)
+        self.drained = True
+        self.stop.set()
 
     async def beat(self) -> None:
         """Tell the launcher every second that the event loop still runs (a hung loop gets restarted)."""
@@ -427,7 +458,9 @@ class FrontDoorServer:
             await self.door.load_adapter(spec.name, spec.path, spec.pinned, deterministic=True)
 
     async def run(self) -> None:
-        """Start serving; returns on SIGTERM (in-flight requests are answered "server shutting down")."""
+        """Start serving; returns on SIGTERM (in-flight requests are answered "server shutting down" when the
+        cluster stops; otherwise the launcher restarts this front door and ZMQ clients resubmit them) or when a
+        drain (:class:`DrainCmd`) has ended."""
         loop = asyncio.get_running_loop()
         loop.add_signal_handler(signal.SIGTERM, self.stop.set)
         # beat from the start: a front door that hangs while it syncs is found and restarted too
@@ -453,7 +486,7 @@ class FrontDoorServer:
         tasks.append(asyncio.ensure_future(self.watch_clients()))
         http = None
         if self.args.http_port:
-            from tokenizer_proc.http_api import start_http
+            from tokenizer_proc.http_server import start_http
 
             http = await start_http(self.door, self.args.http_host, self.args.http_port)
         ready(
@@ -470,12 +503,16 @@ class FrontDoorServer:
         # SIGTERM to this process alone must restart only the front door, not cascade through the cluster. Only
         # when the cluster goes away are in-flight requests told so; otherwise the launcher restarts this front
         # door and the clients resubmit them
-        if cluster_stopping(self.args):
+        if self.drained or cluster_stopping(self.args):
             self.door.fail_all("server shutting down")
+        else:  # ZMQ clients resubmit to the restarted front door; an HTTP client can only be told to retry
+            self.door.fail_all(
+                "the front door is restarting; retry the request", lambda s: not isinstance(s, ZmqSink), "unavailable"
+            )
+        if http is not None:  # answers what fail_all delivered, then closes every connection
+            await http.stop()
         for t in tasks:
             t.cancel()
-        if http is not None:
-            http.close()
 
 
 def main() -> None:

@@ -52,6 +52,17 @@ def validate_sampling(req: GenerateReq, context_len: int, vocab_size: int) -> No
         raise BadRequest(f"sampling_params.seed={sp.seed} must be in [0, 2**63)")
 
 
+MAX_TOP_LOGPROBS = 20
+
+
+def validate_logprobs(req: GenerateReq) -> None:
+    """Raise BadRequest unless ``top_logprobs_num`` is in [0, 20] and only given with ``return_logprob``."""
+    if not 0 <= req.top_logprobs_num <= MAX_TOP_LOGPROBS:
+        raise BadRequest(f"top_logprobs_num={req.top_logprobs_num} must be in [0, {MAX_TOP_LOGPROBS}]")
+    if req.top_logprobs_num and not req.return_logprob:
+        raise BadRequest(f"top_logprobs_num={req.top_logprobs_num} needs return_logprob=true")
+
+
 def validate_prompt_ids(ids: list[int], max_new_tokens: int, context_len: int, vocab_size: int) -> None:
     """Raise BadRequest for an empty prompt, ids outside the vocabulary or a prompt over the context."""
     if not ids:

@@ -1,0 +1,116 @@
+"""What the scheduler tells the front door about liveness and load (:class:`~ipc.messages.SchedulerBeat`).
+
+No sockets here: :class:`RankLiveness` decides when the TP ranks are probed and which ones count as not
+answering; :func:`batch_stats` and :func:`count_evictions` read the scheduler's state for ``/metrics``.
+
+An idle rank sends nothing, so "answered recently" needs a probe. The probe is a no-op LoRA unload of uid ``""``
+(no adapter has that uid): every rank answers it at once with a ``LoraOpAck`` and nothing changes on it. A probe
+is sent only while no step or LoRA command is outstanding (so it never waits behind real work, which has its own
+timeouts); a rank that leaves one unanswered for ``PROBE_TIMEOUT_S`` counts as unresponsive until it answers.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+from ipc.messages import WorkerLoraUnload
+
+PROBE_INTERVAL_S = 1.0  # an idle TP group is probed this often
+PROBE_TIMEOUT_S = 3.0  # a rank that leaves a probe unanswered this long counts as unresponsive
+BEAT_INTERVAL_S = 1.0  # how often the scheduler sends SchedulerBeat to the front door
+PROBE_UID = ""  # the uid the probe "unloads": never an adapter's (uids are uuids)
+
+
+class RankLiveness:
+    """When each TP rank last answered, and the liveness probe in flight (one at a time)."""
+
+    def __init__(self, tp_size: int) -> None:
+        self.tp_size = tp_size
+        now = time.monotonic()
+        self.last_answer: dict[int, float] = dict.fromkeys(range(tp_size), now)
+        self.probe_op: int | None = None  # op id of the probe in flight
+        self.probe_sent = 0.0
+        self.probe_answered: set[int] = set()
+        self.last_probe = 0.0
+
+    def reset(self) -> None:
+        """A new TP group replaces the old one: forget the old group's probe (its answers are void)."""
+        self.probe_op = None
+        self.probe_answered = set()
+        now = time.monotonic()
+        self.last_answer = dict.fromkeys(range(self.tp_size), now)
+
+    def answered(self, rank: int) -> None:
+        """``rank`` sent something (a step result, an ack, READY)."""
+        self.last_answer[rank] = time.monotonic()
+
+    def owns(self, op_id: int) -> bool:
+        """Whether ``op_id`` is the probe in flight (its acks go to :meth:`on_probe_ack`, nowhere else)."""
+        return self.probe_op is not None and op_id == self.probe_op
+
+    def on_probe_ack(self, rank: int) -> None:
+        """``rank`` answered the probe; once every rank has, the next one may go."""
+        self.answered(rank)
+        self.probe_answered.add(rank)
+        if len(self.probe_answered) >= self.tp_size:
+            self.probe_op = None
+
+    def probe(self, next_op_id: Callable[[], int], busy: bool) -> WorkerLoraUnload | None:
+        """The probe to send to every rank now, or None (one is in flight, it is not time yet, or the ranks are
+        ``busy`` with a step or a LoRA command, which is judged by its own timeout)."""
+        now = time.monotonic()
+        if busy or self.probe_op is not None or now - self.last_probe < PROBE_INTERVAL_S:
+            return None
+        self.probe_op, self.probe_sent, self.last_probe = next_op_id(), now, now
+        self.probe_answered = set()
+        return WorkerLoraUnload(self.probe_op, PROBE_UID)
+
+    def unresponsive(self) -> dict[int, str]:
+        """Ranks that left the probe unanswered past ``PROBE_TIMEOUT_S`` -> why."""
+        if self.probe_op is None:
+            return {}
+        waited = time.monotonic() - self.probe_sent
+        if waited < PROBE_TIMEOUT_S:
+            return {}
+        return {
+            r: f"TP rank {r} has not answered a liveness probe for {waited:.1f} s"
+            for r in range(self.tp_size)
+            if r not in self.probe_answered
+        }
+
+    def silence(self) -> list[float]:
+        """Seconds since each rank last answered, in rank order."""
+        now = time.monotonic()
+        return [round(now - self.last_answer.get(r, now), 3) for r in range(self.tp_size)]
+
+
+def batch_stats(sched: Any) -> dict[str, Any]:
+    """Running / waiting requests, KV use and the adapters they need, read from a ``Scheduler``.
+
+    Returns the keyword arguments of :class:`~ipc.messages.SchedulerBeat` that describe the batch (empty
+    before the scheduler exists).
+    """
+    if sched is None:
+        return {}
+    running = list(sched.running.values())
+    waiting = list(sched.waiting)
+    kv = sched.kv
+    capacity = kv.slots.capacity
+    return {
+        "running": len(running),
+        "waiting": len(waiting),
+        "kv_used_tokens": max(0, capacity - kv.slots.num_free + kv.reserved),
+        "kv_capacity_tokens": capacity,
+        "running_lora_uids": sorted({r.lora_uid for r in running if r.lora_uid is not None}),
+        "waiting_lora_uids": sorted({r.lora_uid for r in waiting if r.lora_uid is not None}),
+    }
+
+
+def count_evictions(before: dict[str, int], after: dict[str, int]) -> int:
+    """Adapters that lost their slot to another adapter between two uid -> slot tables (an unload that leaves
+    the slot empty is not an eviction)."""
+    held = {slot: uid for uid, slot in before.items()}
+    now = {slot: uid for uid, slot in after.items()}
+    return sum(1 for slot, uid in held.items() if now.get(slot) not in (None, uid))

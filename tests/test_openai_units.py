@@ -1,0 +1,227 @@
+"""Unit tests without a cluster: OpenAI request decoding and refusal of unsupported fields, model names, logprob
+formatting, the front door's logprob pass-through and drain refusal, and the health bookkeeping of the scheduler
+(:mod:`scheduler_proc.health`) and the front door (:mod:`tokenizer_proc.health`)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import pytest
+from loom_helpers import ListSink, make_args
+
+from ipc.messages import (
+    BatchTokenOut,
+    ErrorOut,
+    FinishReason,
+    GenerateOut,
+    GenerateReq,
+    MetaInfo,
+    SamplingParams,
+    SchedulerBeat,
+    TokenizedReq,
+    TokenOut,
+)
+from scheduler_proc import health as sched_health
+from tokenizer_proc import openai_api as oa
+from tokenizer_proc.health import ClusterHealth
+from tokenizer_proc.http_io import HttpError
+
+
+def decode_chat(body: dict) -> oa.ChatCompletionRequest:
+    req = oa.decode_request(json.dumps(body).encode(), oa.ChatCompletionRequest)
+    oa.check_supported(req)
+    return req
+
+
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"temprature": 1}, "temprature"),
+        ({"messages": [{"role": "user", "content": "hi", "tool_call_id": "x"}]}, "messages[0].tool_call_id"),
+        ({"tools": [{"type": "function"}]}, "tools"),
+        ({"tool_choice": "auto"}, "tool_choice"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"frequency_penalty": 1.0}, "frequency_penalty"),
+        ({"logit_bias": {"1": 2}}, "logit_bias"),
+        ({"n": 0}, "n"),
+        ({"top_logprobs": 2}, "top_logprobs"),
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ({"temperature": "hot"}, "temperature"),
+        ({"stream_options": {"include_usage": True}}, "stream_options"),
+    ],
+)
+def test_chat_requests_refuse_fields_by_name(extra: dict, param: str) -> None:
+    with pytest.raises(HttpError) as e:
+        decode_chat({**CHAT, **extra})
+    assert e.value.status == 400 and e.value.param == param, (e.value.message, e.value.param)
+
+
+def test_neutral_values_of_unimplemented_fields_are_accepted() -> None:
+    req = decode_chat(
+        {
+            **CHAT,
+            "frequency_penalty": 0,
+            "presence_penalty": 0.0,
+            "logit_bias": {},
+            "response_format": {"type": "text"},
+            "tools": [],
+            "tool_choice": "none",
+            "user": "u1",
+            "messages": [
+                {"role": "developer", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}
+            ],
+        }
+    )
+    assert oa.chat_messages(req) == [{"role": "system", "content": "a\nb"}]
+
+
+def test_completion_prompts_and_refusals() -> None:
+    def prompts(p: object) -> list:
+        req = oa.decode_request(json.dumps({"model": "m", "prompt": p}).encode(), oa.CompletionRequest)
+        oa.check_supported(req)
+        return oa.completion_prompts(req)
+
+    assert prompts("x") == ["x"] and prompts(["x", "y"]) == ["x", "y"]
+    assert prompts([1, 2]) == [[1, 2]] and prompts([[1], [2, 3]]) == [[1], [2, 3]]
+    for bad in ([], [1, "x"], [[]], [True]):
+        with pytest.raises(HttpError):
+            prompts(bad)
+    for field, value in (("echo", True), ("suffix", "s"), ("best_of", 3), ("logprobs", 21)):
+        with pytest.raises(HttpError) as e:
+            oa.check_supported(oa.CompletionRequest(model="m", prompt="x", **{field: value}))
+        assert e.value.param == field
+
+
+def test_model_names() -> None:
+    assert oa.resolve_model("base", "base", {"a"}, True) is None
+    assert oa.resolve_model("a", "base", {"a"}, True) == "a"
+    assert oa.resolve_model("base:a", "base", {"a"}, True) == "a"
+    assert oa.resolve_model("base:a", "base", {"base:a"}, True) == "base:a"  # an adapter's own name wins
+    assert oa.resolve_model("other", "base", set(), True) == "other"  # the front door answers never loaded
+    with pytest.raises(HttpError) as e:
+        oa.resolve_model("a", "base", {"a"}, False)
+    assert e.value.status == 404 and oa.error_detail(404, "x", e.value.param).error.code == "model_not_found"
+
+
+def test_choices_get_their_own_seeds() -> None:
+    req = oa.ChatCompletionRequest(model="m", messages=[], seed=5, n=3, temperature=0.5, stop="x")
+    sps = [oa.sampling_params(req, 7, j) for j in range(3)]
+    assert [sp.seed for sp in sps] == [5, 6, 7] and {sp.max_new_tokens for sp in sps} == {7}
+    assert sps[0].temperature == 0.5 and sps[0].top_p == 1.0 and sps[0].stop == "x"
+    assert oa.sampling_params(oa.CompletionRequest(model="m", prompt="x"), 3, 2).seed is None
+
+
+def test_logprob_formatting() -> None:
+    meta = MetaInfo(
+        "r",
+        3,
+        2,
+        FinishReason("length"),
+        output_token_logprobs=[(-0.5, 10), (-1.5, 11)],
+        output_top_logprobs=[[(-0.5, 10), (-2.0, 12)], [(-1.0, 12), (-1.5, 11)]],
+    )
+
+    def text(t: int) -> str:
+        return {10: "Hel", 11: "lo", 12: " x"}[t]
+
+    chat = oa.chat_logprobs(meta, 1, None, text)
+    assert chat is not None and [c.token for c in chat.content] == ["lo"]
+    assert chat.content[0].top_logprobs[0].token == " x" and chat.content[0].bytes == list(b"lo")
+    legacy = oa.completion_logprobs(meta, 0, 0, True, text)
+    assert legacy is not None and legacy.tokens == ["Hel", "lo"] and legacy.text_offset == [0, 3]
+    assert legacy.top_logprobs == [{"Hel": -0.5, " x": -2.0}, {" x": -1.0, "lo": -1.5}]
+    assert oa.chat_logprobs(MetaInfo("r", 1, 1), 0, None, text) is None
+    assert oa.finish_reason(meta.finish_reason) == "length" and oa.finish_reason(FinishReason("stop")) == "stop"
+
+
+# ----------------------------------------------------------------------------- the front door
+
+
+def test_front_door_passes_logprobs_through_and_refuses_while_draining(model_path) -> None:
+    from tokenizer_proc.front_door import FrontDoor
+
+    async def run() -> None:
+        sent: list[object] = []
+        door = FrontDoor(make_args(model_path), sent.append)
+        sink = ListSink()
+        bad = GenerateReq(text="hi", top_logprobs_num=3)  # without return_logprob
+        await door.generate(bad, sink)
+        assert isinstance(sink.msgs[-1], ErrorOut) and "return_logprob" in sink.msgs[-1].message
+        await door.generate(GenerateReq(text="hi", return_logprob=True, top_logprobs_num=21), sink)
+        assert isinstance(sink.msgs[-1], ErrorOut) and "top_logprobs_num" in sink.msgs[-1].message
+
+        req = GenerateReq(text="hi", return_logprob=True, top_logprobs_num=2, sampling_params=SamplingParams(3))
+        await door.generate(req, sink)
+        tr = sent[-1]
+        assert isinstance(tr, TokenizedReq) and tr.return_logprob and tr.top_logprobs_num == 2
+        n = len(tr.input_ids)
+        top = [[(-0.1, 5), (-2.0, 6)]]
+        door.on_tokens(
+            BatchTokenOut([TokenOut(tr.rid, [5], n, 1, new_token_logprobs=[(-0.1, 5)], new_top_logprobs=top)])
+        )
+        # a resumed step repeats token 1: it is delivered (and its logprobs kept) once
+        items = [TokenOut(tr.rid, [5, 7], n, 2, new_token_logprobs=[(-0.1, 5), (-0.3, 7)], new_top_logprobs=top * 2)]
+        door.on_tokens(BatchTokenOut(items))
+        fr = FinishReason("length")
+        door.on_tokens(BatchTokenOut([TokenOut(tr.rid, [8], n, 3, True, fr, new_token_logprobs=[(-0.7, 8)])]))
+        out = sink.msgs[-1]
+        assert isinstance(out, GenerateOut) and out.finished and out.output_ids == [5, 7, 8]
+        assert out.meta_info.output_token_logprobs == [(-0.1, 5), (-0.3, 7), (-0.7, 8)]
+        assert out.meta_info.output_top_logprobs == top * 2  # the last step carried none
+        m = door.metrics.registry
+        assert m.get_sample_value("loom_generation_tokens_total") == 3
+        assert m.get_sample_value("loom_time_to_first_token_seconds_count") == 1
+        assert m.get_sample_value("loom_requests_total", {"finish_reason": "length"}) == 1
+
+        door.begin_drain("shutting down")
+        await door.generate(GenerateReq(text="hi"), sink)
+        assert isinstance(sink.msgs[-1], ErrorOut) and sink.msgs[-1].kind == "unavailable"
+        assert door.health.problem() == "shutting down"
+
+    asyncio.run(run())
+
+
+# ----------------------------------------------------------------------------- health bookkeeping
+
+
+def test_rank_liveness_probes_only_idle_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
+    live = sched_health.RankLiveness(2)
+    ids = iter(range(-100, -200, -1))
+    assert live.probe(lambda: next(ids), busy=True) is None
+    probe = live.probe(lambda: next(ids), busy=False)
+    assert probe is not None and probe.uid == sched_health.PROBE_UID and live.owns(probe.op_id)
+    assert live.probe(lambda: next(ids), busy=False) is None  # one in flight at a time
+    live.on_probe_ack(0)
+    assert live.unresponsive() == {}
+    monkeypatch.setattr(sched_health, "PROBE_TIMEOUT_S", 0.0)
+    assert list(live.unresponsive()) == [1] and "TP rank 1" in live.unresponsive()[1]
+    live.on_probe_ack(1)
+    assert live.unresponsive() == {} and not live.owns(probe.op_id)
+    live.probe_op = -5
+    live.reset()  # a new TP group: the old probe is void
+    assert live.unresponsive() == {} and len(live.silence()) == 2
+
+
+def test_slot_evictions_are_counted_per_slot() -> None:
+    assert sched_health.count_evictions({"a": 0, "b": 1}, {"c": 0, "b": 1}) == 1
+    assert sched_health.count_evictions({"a": 0, "b": 1}, {"b": 1}) == 0  # unloaded: the slot is empty
+    assert sched_health.count_evictions({}, {"a": 0}) == 0
+
+
+def test_cluster_health_reasons_and_evictions_across_schedulers() -> None:
+    h = ClusterHealth(silence_limit_s=0.2)
+    assert h.problem() is None
+    h.on_beat(SchedulerBeat("s1", 1, [0.1], {0: "TP rank 0 has not answered"}, slot_evictions=2))
+    assert h.problem() == "TP rank 0 has not answered"
+    h.on_beat(SchedulerBeat("s2", 1, [0.1], slot_evictions=1))  # a restarted scheduler counts from zero
+    assert h.problem() is None and h.slot_evictions == 3
+    time.sleep(0.25)
+    assert "no heartbeat" in (h.problem() or "")
+    h.heard_from_scheduler()
+    h.unavailable = "TP group restarting"
+    assert h.problem() == "TP group restarting"

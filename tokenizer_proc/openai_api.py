@@ -1,0 +1,452 @@
+"""OpenAI's chat and completions API as msgspec Structs, and the conversions between it and Loom's requests.
+
+No I/O here: :mod:`tokenizer_proc.openai_routes` decodes bodies into these Structs, turns them into
+:class:`~ipc.messages.GenerateReq` with :func:`sampling_params`, and formats Loom's replies with the builders
+below. Fields Loom does not implement are refused by name (400), never ignored: an unknown field by the decoder,
+a known one (``tools``, ``response_format``, penalties, ``logit_bias``, ...) unless it holds its no-op value.
+"""
+
+from __future__ import annotations
+
+import re
+import uuid
+from collections.abc import Callable, Collection
+from typing import Any, Literal
+
+import msgspec
+
+from ipc.messages import FinishReason, MetaInfo, SamplingParams
+from tokenizer_proc.http_io import HttpError
+
+MAX_N = 64  # choices per request
+MAX_TOP_LOGPROBS = 20
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
+_UNKNOWN_FIELD = re.compile(r"Object contains unknown field `([^`]+)`(?: - at `\$\.?([^`]*)`)?")
+_AT = re.compile(r" - at `\$\.?([^`]*)`")
+TokenText = Callable[[int], str]
+
+# ----------------------------------------------------------------------------- requests
+
+
+class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
+    """``stream_options``: with ``include_usage`` a last chunk carries the usage (and every other one ``null``)."""
+
+    include_usage: bool = False
+
+
+class ContentPart(msgspec.Struct, forbid_unknown_fields=True):
+    """One part of a message's content; Loom serves text parts only."""
+
+    type: str
+    text: str | None = None
+
+
+class ChatMessageIn(msgspec.Struct, forbid_unknown_fields=True):
+    """A chat message as OpenAI clients send it (``developer`` is taken as ``system``)."""
+
+    role: str
+    content: str | list[ContentPart] | None = None
+
+
+class _Common(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """Fields shared by chat and completions requests."""
+
+    model: str
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int = 1
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None  # an end-user id for the caller's records; Loom does not use it
+    # accepted only at their no-op values (refused by name otherwise)
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    service_tier: str | None = None
+    # Loom extensions with SGLang's / vLLM's names (the openai client sends them with extra_body)
+    top_k: int | None = None
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+
+
+class ChatCompletionRequest(_Common, kw_only=True, forbid_unknown_fields=True):
+    """``POST /v1/chat/completions``."""
+
+    messages: list[ChatMessageIn]
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    response_format: dict[str, Any] | None = None
+    tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    store: bool | None = None
+
+
+class CompletionRequest(_Common, kw_only=True, forbid_unknown_fields=True):
+    """``POST /v1/completions`` (``prompt``: a string, a list of strings, token ids, or lists of token ids)."""
+
+    prompt: str | list[Any]
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+def decode_request(body: bytes, typ: type) -> Any:
+    """Decode a request body; HttpError 400 naming the field for bad JSON, unknown or ill-typed fields."""
+    if not body.strip():
+        raise HttpError(400, "request body is empty: expected a JSON object")
+    try:
+        return msgspec.json.decode(body, type=typ)
+    except msgspec.ValidationError as e:
+        text = str(e)
+        m = _UNKNOWN_FIELD.search(text)
+        if m is not None:
+            where = m.group(2) or ""
+            param = f"{where}.{m.group(1)}" if where else m.group(1)
+            raise HttpError(400, f"Unsupported field `{param}`: Loom does not implement it", param=param) from None
+        at = _AT.search(text)
+        raise HttpError(400, f"Invalid request: {text}", param=at.group(1) if at else None) from None
+    except msgspec.DecodeError as e:
+        raise HttpError(400, f"Request body is not valid JSON: {e}") from None
+
+
+def _refuse(field: str, accepted: str) -> None:
+    why = f"Unsupported field `{field}`: Loom does not implement it (accepted only as {accepted})"
+    raise HttpError(400, why, param=field)
+
+
+def check_supported(req: ChatCompletionRequest | CompletionRequest) -> None:
+    """Refuse (400, naming the field) every known field Loom does not implement unless it holds its no-op value,
+    and values outside Loom's limits (``n``, logprobs)."""
+    for name in ("frequency_penalty", "presence_penalty"):
+        if getattr(req, name) not in (None, 0):
+            _refuse(name, "0")
+    if req.logit_bias:
+        _refuse("logit_bias", "{}")
+    if req.service_tier not in (None, "auto", "default"):
+        _refuse("service_tier", '"auto" or "default"')
+    if not 1 <= req.n <= MAX_N:
+        raise HttpError(400, f"n={req.n} must be in [1, {MAX_N}]", param="n")
+    if req.stream_options is not None and not req.stream:
+        raise HttpError(400, "stream_options is only allowed with stream=true", param="stream_options")
+    if isinstance(req, ChatCompletionRequest):
+        if req.response_format not in (None, {"type": "text"}):
+            _refuse("response_format", '{"type": "text"}')
+        if req.tools:
+            _refuse("tools", "[]")
+        if req.tool_choice not in (None, "none"):
+            _refuse("tool_choice", '"none"')
+        if req.store:
+            _refuse("store", "false")
+        if req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise HttpError(400, f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}]", param="top_logprobs")
+        if req.top_logprobs and not req.logprobs:
+            raise HttpError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
+        if None not in (req.max_tokens, req.max_completion_tokens) and req.max_tokens != req.max_completion_tokens:
+            raise HttpError(400, "max_tokens and max_completion_tokens differ; give one", param="max_tokens")
+    else:
+        if req.echo:
+            _refuse("echo", "false")
+        if req.suffix:
+            _refuse("suffix", "null")
+        if req.best_of not in (None, req.n):
+            _refuse("best_of", f"n ({req.n})")
+        if req.logprobs is not None and not 0 <= req.logprobs <= MAX_TOP_LOGPROBS:
+            raise HttpError(400, f"logprobs must be in [0, {MAX_TOP_LOGPROBS}]", param="logprobs")
+
+
+def chat_messages(req: ChatCompletionRequest) -> list[dict[str, str]]:
+    """The messages as Loom's chat template takes them (text parts joined by newlines)."""
+    out = []
+    for i, m in enumerate(req.messages):
+        if isinstance(m.content, list):
+            texts = []
+            for j, part in enumerate(m.content):
+                if part.type != "text" or part.text is None:
+                    where = f"messages[{i}].content[{j}]"
+                    why = f"{where}: content type {part.type!r} is not supported (text only)"
+                    raise HttpError(400, why, param=where)
+                texts.append(part.text)
+            content = "\n".join(texts)
+        else:
+            content = m.content or ""
+        out.append({"role": "system" if m.role == "developer" else m.role, "content": content})
+    return out
+
+
+def completion_prompts(req: CompletionRequest) -> list[str | list[int]]:
+    """``prompt`` as a list of prompts, each a string or token ids."""
+    p = req.prompt
+    if isinstance(p, str):
+        return [p]
+    if not p:
+        raise HttpError(400, "prompt is empty", param="prompt")
+    if all(isinstance(x, int) and not isinstance(x, bool) for x in p):
+        return [list(p)]
+    if all(isinstance(x, str) for x in p):
+        return list(p)
+    if all(isinstance(x, list) and x and all(isinstance(t, int) and not isinstance(t, bool) for t in x) for x in p):
+        return [list(x) for x in p]
+    raise HttpError(400, "prompt must be a string, a list of strings, token ids or lists of token ids", param="prompt")
+
+
+def resolve_model(model: str, base_id: str, adapters: Collection[str], lora_enabled: bool) -> str | None:
+    """The adapter ``model`` names (None: the base model): the base model's id, an adapter's name, or
+    ``BASE:ADAPTER``. Any other name is taken as an adapter name, so the front door answers 404 with its
+    ``never been loaded`` text; without LoRA it is a 404 ``model_not_found``."""
+    if model == base_id:
+        return None
+    if not lora_enabled:
+        raise HttpError(404, f"The model `{model}` does not exist: this server serves `{base_id}`", param="model")
+    if model not in adapters and model.startswith(base_id + ":"):
+        return model[len(base_id) + 1 :]
+    return model
+
+
+def sampling_params(req: ChatCompletionRequest | CompletionRequest, max_new_tokens: int, choice: int) -> SamplingParams:
+    """Loom's sampling parameters for choice number ``choice`` (a seeded request's choices get seeds
+    ``seed``, ``seed + 1``, ... so that they differ and each stays reproducible)."""
+    seed = req.seed
+    if seed is not None and choice:
+        seed = (seed + choice) % 2**63
+    return SamplingParams(
+        max_new_tokens=max_new_tokens,
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        top_k=-1 if req.top_k is None else req.top_k,
+        stop=req.stop,
+        stop_token_ids=list(req.stop_token_ids or []),
+        ignore_eos=req.ignore_eos,
+        seed=seed,
+    )
+
+
+def openai_message(text: str) -> str:
+    """A front-door error message with Loom's native field names replaced by OpenAI's."""
+    return text.replace("sampling_params.max_new_tokens", "max_tokens").replace("sampling_params.", "")
+
+
+# ----------------------------------------------------------------------------- responses
+
+
+class ErrorDetail(msgspec.Struct):
+    """OpenAI's error object."""
+
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(msgspec.Struct):
+    """``{"error": {...}}``."""
+
+    error: ErrorDetail
+
+
+def error_detail(status: int, message: str, param: str | None) -> ErrorResponse:
+    """OpenAI's error shape for an HTTP status (``code`` ``model_not_found`` for a 404 about ``model``)."""
+    if status >= 500:
+        kind, code = "server_error", {503: "unavailable"}.get(status)
+    else:
+        kind, code = "invalid_request_error", {413: "request_too_large"}.get(status)
+        if status == 404 and param == "model":
+            code = "model_not_found"
+    return ErrorResponse(ErrorDetail(message, kind, param, code))
+
+
+class Usage(msgspec.Struct):
+    """Token counts of a response."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> Usage:
+    """A :class:`Usage` with its total."""
+    return Usage(prompt_tokens, completion_tokens, prompt_tokens + completion_tokens)
+
+
+class TopLogprob(msgspec.Struct):
+    """One alternative token at a position."""
+
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprob(msgspec.Struct):
+    """The chosen token at a position and its alternatives."""
+
+    token: str
+    logprob: float
+    bytes: list[int]
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(msgspec.Struct):
+    """A chat choice's ``logprobs``."""
+
+    content: list[TokenLogprob]
+    refusal: None = None
+
+
+class CompletionLogprobs(msgspec.Struct):
+    """A completions choice's ``logprobs`` (the legacy shape)."""
+
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]] | None
+    text_offset: list[int]
+
+
+class AssistantMessage(msgspec.Struct):
+    """The generated message."""
+
+    content: str
+    role: str = "assistant"
+
+
+class ChatChoice(msgspec.Struct):
+    """One choice of a chat completion."""
+
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None
+    finish_reason: str
+
+
+class ChatCompletion(msgspec.Struct):
+    """A chat completion."""
+
+    id: str
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    object: str = "chat.completion"
+    system_fingerprint: None = None
+
+
+class Delta(msgspec.Struct, omit_defaults=True):
+    """What a chat chunk adds to a choice (``{}`` in the chunk that ends it)."""
+
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(msgspec.Struct):
+    """One choice's part of a chat chunk."""
+
+    index: int
+    delta: Delta
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(msgspec.Struct):
+    """A streamed chat chunk (``usage`` is present only with ``stream_options.include_usage``)."""
+
+    id: str
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    object: str = "chat.completion.chunk"
+    system_fingerprint: None = None
+    usage: Usage | None | msgspec.UnsetType = msgspec.UNSET
+
+
+class CompletionChoice(msgspec.Struct):
+    """One choice of a completion (also a streamed chunk's choice, with ``finish_reason`` None until the end)."""
+
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None
+    finish_reason: str | None
+
+
+class Completion(msgspec.Struct):
+    """A completion, or a streamed completion chunk (``usage`` as for chat chunks)."""
+
+    id: str
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    object: str = "text_completion"
+    system_fingerprint: None = None
+    usage: Usage | None | msgspec.UnsetType = msgspec.UNSET
+
+
+class ModelCard(msgspec.Struct):
+    """One entry of ``/v1/models``: the base model (``parent`` None) or an adapter (``parent`` = the base)."""
+
+    id: str
+    created: int
+    root: str
+    parent: str | None
+    max_model_len: int
+    object: str = "model"
+    owned_by: str = "loom"
+
+
+class ModelList(msgspec.Struct):
+    """``GET /v1/models``."""
+
+    data: list[ModelCard]
+    object: str = "list"
+
+
+def new_id(kind: Literal["chat", "completion"]) -> str:
+    """A response id (``chatcmpl-...`` / ``cmpl-...``)."""
+    return ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
+
+
+def finish_reason(fr: FinishReason | None) -> str:
+    """OpenAI's finish reason: ``length`` for a request that hit its token limit, else ``stop``."""
+    return "length" if fr is not None and fr.type == "length" else "stop"
+
+
+def _top(meta: MetaInfo, i: int) -> list[tuple[float, int]]:
+    tops = meta.output_top_logprobs
+    return list(tops[i]) if tops is not None and i < len(tops) else []
+
+
+def chat_logprobs(meta: MetaInfo, start: int, end: int | None, token_text: TokenText) -> ChatLogprobs | None:
+    """The chat ``logprobs`` of tokens ``start:end`` (None when meta_info carries no logprobs)."""
+    lps = meta.output_token_logprobs
+    if lps is None:
+        return None
+    out = []
+    stop = len(lps) if end is None else min(end, len(lps))
+    for i in range(start, stop):
+        lp, tok = lps[i]
+        text = token_text(tok)
+        tops = [TopLogprob(token_text(t), v, list(token_text(t).encode())) for v, t in _top(meta, i)]
+        out.append(TokenLogprob(text, lp, list(text.encode()), tops))
+    return ChatLogprobs(out)
+
+
+def completion_logprobs(
+    meta: MetaInfo, start: int, offset: int, want_top: bool, token_text: TokenText
+) -> CompletionLogprobs | None:
+    """The legacy completions ``logprobs`` of tokens from ``start``; ``offset`` is the text offset of the
+    first one (None when meta_info carries no logprobs)."""
+    lps = meta.output_token_logprobs
+    if lps is None:
+        return None
+    tokens, values, tops, offsets = [], [], [], []
+    for i in range(start, len(lps)):
+        lp, tok = lps[i]
+        text = token_text(tok)
+        tokens.append(text)
+        values.append(lp)
+        offsets.append(offset)
+        offset += len(text)
+        tops.append({token_text(t): v for v, t in _top(meta, i)})
+    return CompletionLogprobs(tokens, values, tops if want_top else None, offsets)
