@@ -23,6 +23,8 @@ from ipc.messages import (
     ToWorkerMsg,
     WorkerLoraLoad,
     WorkerLoraUnload,
+    WorkerPing,
+    WorkerPong,
     WorkerShutdown,
 )
 from ipc.proc import StopRequested, begin_cleanup, child_setup, set_parent_death_signal
@@ -139,6 +141,8 @@ def main() -> None:
             elif isinstance(msg, SchedulerHello):  # a restarted scheduler: register again (KV contents are void)
                 log.info("scheduler %s asks to register; sending READY", msg.incarnation[:12])
                 reply = worker.ready()
+            elif isinstance(msg, WorkerPing):
+                reply = WorkerPong(msg.op_id, rank, epoch=ns.epoch)
             elif isinstance(msg, WorkerShutdown):
                 break
             sock.send(out_codec.encode(reply))

@@ -445,13 +445,19 @@ class WorkerShutdown(msgspec.Struct, tag=True):
     """Stop cleanly."""
 
 
+class WorkerPing(msgspec.Struct, tag=True):
+    """Liveness probe of an idle rank (for ``/health``); the rank answers :class:`WorkerPong` at once."""
+
+    op_id: int
+
+
 class SchedulerHello(msgspec.Struct, tag=True):
     """A (re)started scheduler asks each rank to register again; the rank answers with its WorkerReady."""
 
     incarnation: str
 
 
-ToWorkerMsg = Union[ForwardBatch, WorkerLoraLoad, WorkerLoraUnload, WorkerShutdown, SchedulerHello]
+ToWorkerMsg = Union[ForwardBatch, WorkerLoraLoad, WorkerLoraUnload, WorkerShutdown, SchedulerHello, WorkerPing]
 
 
 class WorkerReady(msgspec.Struct, tag=True):
@@ -506,7 +512,15 @@ class LoraOpAck(msgspec.Struct, tag=True):
     epoch: int = 1
 
 
-FromWorkerMsg = Union[WorkerReady, StepResult, LoraOpAck]
+class WorkerPong(msgspec.Struct, tag=True):
+    """A rank's answer to :class:`WorkerPing` (``epoch``: its TP group's)."""
+
+    op_id: int
+    rank: int
+    epoch: int = 1
+
+
+FromWorkerMsg = Union[WorkerReady, StepResult, LoraOpAck, WorkerPong]
 
 # ----------------------------------------------------------------------------- every process -> launcher
 

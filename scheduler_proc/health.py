@@ -3,8 +3,8 @@
 No sockets here: :class:`RankLiveness` decides when the TP ranks are probed and which ones count as not
 answering; :func:`batch_stats` and :func:`count_evictions` read the scheduler's state for ``/metrics``.
 
-An idle rank sends nothing, so "answered recently" needs a probe. The probe is a no-op LoRA unload of uid ``""``
-(no adapter has that uid): every rank answers it at once with a ``LoraOpAck`` and nothing changes on it. A probe
+An idle rank sends nothing, so "answered recently" needs a probe: a :class:`~ipc.messages.WorkerPing`, which
+every rank answers at once with a :class:`~ipc.messages.WorkerPong` and which changes nothing on it. A probe
 is sent only while no step or LoRA command is outstanding (so it never waits behind real work, which has its own
 timeouts); a rank that leaves one unanswered for ``PROBE_TIMEOUT_S`` counts as unresponsive until it answers.
 """
@@ -15,12 +15,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ipc.messages import WorkerLoraUnload
+from ipc.messages import WorkerPing
 
 PROBE_INTERVAL_S = 1.0  # an idle TP group is probed this often
 PROBE_TIMEOUT_S = 3.0  # a rank that leaves a probe unanswered this long counts as unresponsive
 BEAT_INTERVAL_S = 1.0  # how often the scheduler sends SchedulerBeat to the front door
-PROBE_UID = ""  # the uid the probe "unloads": never an adapter's (uids are uuids)
 
 
 class RankLiveness:
@@ -57,7 +56,7 @@ class RankLiveness:
         if len(self.probe_answered) >= self.tp_size:
             self.probe_op = None
 
-    def probe(self, next_op_id: Callable[[], int], busy: bool) -> WorkerLoraUnload | None:
+    def probe(self, next_op_id: Callable[[], int], busy: bool) -> WorkerPing | None:
         """The probe to send to every rank now, or None (one is in flight, it is not time yet, or the ranks are
         ``busy`` with a step or a LoRA command, which is judged by its own timeout)."""
         now = time.monotonic()
@@ -65,7 +64,7 @@ class RankLiveness:
             return None
         self.probe_op, self.probe_sent, self.last_probe = next_op_id(), now, now
         self.probe_answered = set()
-        return WorkerLoraUnload(self.probe_op, PROBE_UID)
+        return WorkerPing(self.probe_op)
 
     def unresponsive(self) -> dict[int, str]:
         """Ranks that left the probe unanswered past ``PROBE_TIMEOUT_S`` -> why."""

@@ -40,6 +40,7 @@ from ipc.messages import (
     ToSchedulerMsg,
     ToTokenizerMsg,
     ToWorkerMsg,
+    WorkerPong,
     WorkerReady,
     WorkerShutdown,
     WorkersRestarting,
@@ -276,8 +277,9 @@ class SchedulerLoop:
             log.info("dropping %s of replaced TP group epoch %d", type(msg).__name__, msg.epoch)
             return
         self.liveness.answered(msg.rank)
-        if isinstance(msg, LoraOpAck) and self.liveness.owns(msg.op_id):
-            self.liveness.on_probe_ack(msg.rank)
+        if isinstance(msg, WorkerPong):
+            if self.liveness.owns(msg.op_id):
+                self.liveness.on_probe_ack(msg.rank)
             return
         if isinstance(msg, StepResult):
             if not self.in_flight or msg.step != self.step_no:

@@ -52,6 +52,9 @@ SAMPLES = {
         m.ClusterEvent(
             "workers_recovered", "ok", epoch=2, resumed=3, restored=["a"], lost=[m.LostAdapter("u", "b", "gone")]
         ),
+        m.SchedulerBeat("inc", 2, [0.1, 0.2], {1: "silent"}, running=3, running_lora_uids=["u"], slot_evictions=4),
+        m.DrainCmd(30.0),
+        m.BatchTokenOut([m.TokenOut("r", [7], 3, 1, new_token_logprobs=[(-0.5, 7)], new_top_logprobs=[[(-0.5, 7)]])]),
     ],
     "ToWorkerMsg": [
         m.ForwardBatch(
@@ -62,6 +65,8 @@ SAMPLES = {
         m.WorkerLoraUnload(2, "uid", rollback=True),
         m.WorkerShutdown(),
         m.SchedulerHello("inc"),
+        m.WorkerPing(7),
+        m.ForwardBatch(4, [m.BatchReq("r", 0, [1], 2, [9], None, WS, 1, 5)]),
     ],
     "FromWorkerMsg": [
         m.WorkerReady(1, "inc", 4096, ["u"]),
@@ -70,6 +75,8 @@ SAMPLES = {
         m.StepResult(3, 1, [], error="rank 1: boom"),
         m.LoraOpAck(1, 0, False, "bad"),
         m.LoraOpAck(1, 1, True, content_hash="cd" * 32, epoch=2),
+        m.WorkerPong(7, 1, epoch=2),
+        m.StepResult(4, 0, [7], logprobs={0: m.RowLogprobs(-0.25, [(-0.25, 7), (-2.0, 3)])}),
     ],
     "ControlMsg": [
         m.ProcReady("scheduler_proc", 123, {"kv_tokens": 10}),

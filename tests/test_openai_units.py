@@ -22,6 +22,7 @@ from ipc.messages import (
     SchedulerBeat,
     TokenizedReq,
     TokenOut,
+    WorkerPing,
 )
 from scheduler_proc import health as sched_health
 from tokenizer_proc import openai_api as oa
@@ -194,7 +195,7 @@ def test_rank_liveness_probes_only_idle_ranks(monkeypatch: pytest.MonkeyPatch) -
     ids = iter(range(-100, -200, -1))
     assert live.probe(lambda: next(ids), busy=True) is None
     probe = live.probe(lambda: next(ids), busy=False)
-    assert probe is not None and probe.uid == sched_health.PROBE_UID and live.owns(probe.op_id)
+    assert probe is not None and isinstance(probe, WorkerPing) and live.owns(probe.op_id)
     assert live.probe(lambda: next(ids), busy=False) is None  # one in flight at a time
     live.on_probe_ack(0)
     assert live.unresponsive() == {}
