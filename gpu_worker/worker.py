@@ -123,7 +123,12 @@ class Worker:
         )
 
     def build_inputs(self, fb: ForwardBatch) -> StepInputs:
-        """Record each request's new KV slots in ``req_to_token`` and pack the step's tensors."""
+        """Record each request's new KV slots (and a cached prefix's, when sent) in ``req_to_token`` and pack the
+        step's tensors.
+
+        Raises:
+            WorkerError: a row whose token, slot, prefix-slot or context counts do not add up.
+        """
         dev = self.device
         ids: list[int] = []
         pos: list[int] = []
@@ -137,6 +142,12 @@ class Worker:
                 raise WorkerError(f"request {r.rid}: {n} tokens but {len(r.out_slots)} KV slots")
             if r.prefix_len + n > self.context_len:
                 raise WorkerError(f"request {r.rid}: {r.prefix_len + n} tokens exceed context {self.context_len}")
+            if r.prefix_slots:  # a prefix from the scheduler's prefix cache: point the row at its slots
+                if len(r.prefix_slots) != r.prefix_len:
+                    raise WorkerError(f"request {r.rid}: {len(r.prefix_slots)} prefix slots for {r.prefix_len}")
+                self.kv.req_to_token[r.req_idx, : r.prefix_len] = torch.tensor(
+                    r.prefix_slots, dtype=torch.int64, device=dev
+                )
             self.kv.req_to_token[r.req_idx, r.prefix_len : r.prefix_len + n] = torch.tensor(
                 r.out_slots, dtype=torch.int64, device=dev
             )

@@ -9,7 +9,7 @@ import uuid
 import msgspec
 
 # prefill tokens per step on a 2-core CPU: measured in bench/prefix_cache.py (see the README's flag table)
-DEFAULT_CHUNKED_PREFILL_SIZE = 512
+DEFAULT_CHUNKED_PREFILL_SIZE = 64
 
 
 class LoraSpec(msgspec.Struct, frozen=True):

@@ -100,11 +100,17 @@ def batch_stats(sched: Any) -> dict[str, Any]:
     return {
         "running": len(running),
         "waiting": len(waiting),
-        "kv_used_tokens": max(0, capacity - kv.slots.num_free + kv.reserved),
+        # prefix-cache slots no running request reads are free for admission (evicted on demand): not "used"
+        "kv_used_tokens": max(0, capacity - kv.slots.num_free + kv.reserved - _evictable(sched)),
         "kv_capacity_tokens": capacity,
         "running_lora_uids": sorted({r.lora_uid for r in running if r.lora_uid is not None}),
         "waiting_lora_uids": sorted({r.lora_uid for r in waiting if r.lora_uid is not None}),
     }
+
+
+def _evictable(sched: Any) -> int:
+    cache = getattr(sched, "cache", None)
+    return 0 if cache is None else int(cache.evictable_tokens)
 
 
 def count_evictions(before: dict[str, int], after: dict[str, int]) -> int:

@@ -176,6 +176,8 @@ class SchedulerLoop:
             detokenize=lambda ids: tok.decode(ids, skip_special_tokens=True),
             special_tokens={i: t.content for i, t in tok.get_added_tokens_decoder().items() if t.special},
             max_loras_per_batch=self.args.max_loras_per_batch,
+            enable_prefix_cache=not self.args.disable_radix_cache,
+            chunked_prefill_size=self.args.chunked_prefill_size,
         )
         # the adapters any rank holds; a rank lacking one of them gets it restored (same uid, content hash)
         for rank in sorted(self.ready):
@@ -235,6 +237,7 @@ class SchedulerLoop:
             self._sync_pins()
         elif isinstance(msg, LoraUnloadCmd):
             s.blocked_uids.add(msg.uid)
+            s.drop_adapter(msg.uid)  # its cached KV is never reused, even if the unload fails
             self.ops.start(msg)
         elif isinstance(msg, LoraSlotsQuery):
             self._to_front(LoraOpResult(msg.op_id, True, slots=self._slot_tables()))
@@ -444,6 +447,7 @@ class SchedulerLoop:
                 slot_uids=sorted(slots),
                 slot_evictions=self.slot_evictions,
                 **batch_stats(self.sched),
+                **(self.sched.cache_stats() if self.sched is not None else {}),
             )
         )
 

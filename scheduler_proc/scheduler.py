@@ -1,11 +1,19 @@
 """Continuous batching: admission, per-step plans, finish and abort. Pure logic, no sockets.
 
-Each step's plan holds every running request (one decode token each) plus newly admitted requests (their
-whole prompt: prefill). Admission is bounded by ``max_running_requests``, by a KV reservation of
-``prompt + max_new_tokens`` tokens (so a running request never runs out of KV), and by the adapter limit:
-never more distinct adapters in one batch than LoRA slots. Fairness: requests are considered in arrival
-order; one that does not fit may be overtaken, but once the oldest waiting request has waited
-``starvation_steps`` steps nothing that would take a new adapter slot or KV it needs overtakes it.
+Each step's plan holds every running request (one decode token each) plus prefill work: the next chunk of
+requests still being prefilled, then newly admitted requests. With ``chunked_prefill_size`` > 0 a step carries
+at most that many prefill tokens, so a long prompt is prefilled over several steps while the decodes go on.
+Admission is bounded by ``max_running_requests``, by a KV reservation of ``prompt + max_new_tokens`` tokens
+minus the cached prefix (so a running request never runs out of KV), and by the adapter limit: never more
+distinct adapters in one batch than LoRA slots. Fairness: requests are considered in arrival order; one that
+does not fit may be overtaken, but once the oldest waiting request has waited ``starvation_steps`` steps nothing
+that would take a new adapter slot or KV it needs overtakes it.
+
+With the prefix cache (:mod:`scheduler_proc.radix_cache`) a request starting with tokens already cached under
+the same adapter uid reuses their KV slots (``prefix_len`` = the match in its first plan, ``prefix_slots`` =
+their slots, sent once) and prefills only the rest; at least its last prompt token is always recomputed so
+there are logits to sample from. Prefilled prompts enter the tree as soon as their KV is written, outputs when
+the request finishes. Unreferenced cached KV is evicted (LRU) whenever admission needs room.
 """
 
 from __future__ import annotations
@@ -16,9 +24,14 @@ from dataclasses import dataclass, field
 
 from ipc.messages import BatchReq, FinishReason, ForwardBatch, RowLogprobs, TokenizedReq, TokenOut, WorkerSampling
 from scheduler_proc.kv_allocator import KVBudget, SlotAllocator
+from scheduler_proc.radix_cache import RadixCache, RadixNode
 
 _CONTEXT_TOKENS = 4  # tokens of left context kept for the next decode (a byte-level character is at most 4)
 _MAX_WINDOW_TOKENS = 32  # text still incomplete after this many tokens holds invalid bytes: read on regardless
+# a waiting request whose uncached prompt starts with this many tokens of a prompt being prefilled (same adapter)
+# waits until that prefill is cached, then reuses it instead of computing the same KV a second time
+_SHARED_PREFILL_TOKENS = 32
+_GREEDY = WorkerSampling(0.0, 1.0, -1, None)  # for prefill chunks whose token is discarded (no RNG drawn)
 
 
 class _TextView:
@@ -122,6 +135,12 @@ class Req:
     finished: bool = False
     stop_matcher: StopStringMatcher | None = None
     logprobs: int = -1  # BatchReq.logprobs: -1 none, 0 the sampled token's, k > 0 also the top k
+    prefill_len: int = 0  # tokens to prefill at this admission (prompt + tokens produced before a requeue)
+    first_chunk_at: int = 0  # prefix_len of the first chunk: its plan carries the cached prefix's slots
+    cache_node: RadixNode | None = None  # end of the locked radix-cache path this request reads
+    cached: int = 0  # leading entries of ``slots`` that belong to the radix cache (the rest are the request's)
+    cached_tokens: int = 0  # prompt tokens reused from the cache at admission (reported as meta_info.cached_tokens)
+    counted: bool = False  # prompt tokens already added to the scheduler's hit-rate counters
 
     @property
     def seq_len(self) -> int:
@@ -145,6 +164,13 @@ class Scheduler:
         special_tokens: special token id -> its text; stop strings that contain such text are matched against
             the output with special tokens written out (see :class:`StopStringMatcher`).
         max_loras_per_batch: LoRA slots per rank; ``pinned_uids`` hold one each permanently.
+        enable_prefix_cache: keep finished and prefilled KV in a radix tree keyed by (adapter uid, token ids)
+            and reuse it for requests that start the same way (``--disable-radix-cache`` turns it off; off by
+            default here so a bare ``Scheduler`` frees every slot when idle).
+        chunked_prefill_size: most prefill tokens in one step (0 or less: no limit, whole prompts at once).
+
+    Hit-rate counters: ``prompt_tokens_total`` (prompt tokens admitted, each request counted once) and
+    ``cached_tokens_total`` (of those, taken from the prefix cache); see :meth:`cache_stats`.
     """
 
     def __init__(
@@ -158,6 +184,8 @@ class Scheduler:
         special_tokens: Mapping[int, str] | None = None,
         max_loras_per_batch: int = 8,
         starvation_steps: int = 64,
+        enable_prefix_cache: bool = False,
+        chunked_prefill_size: int = 0,
     ) -> None:
         self.max_running = max_running
         self.kv = KVBudget(kv_capacity)
@@ -182,7 +210,11 @@ class Scheduler:
         self.loading_uids: set[str] = set()
         self._arrivals = 0
         self._step = 0
-        self._in_flight: list[Req] | None = None
+        self._in_flight: list[tuple[Req, str]] | None = None  # (request, "chunk" | "last" | "decode") per row
+        self.cache: RadixCache | None = RadixCache(self.kv.slots) if enable_prefix_cache else None
+        self.chunked_prefill_size = chunked_prefill_size
+        self.prompt_tokens_total = 0
+        self.cached_tokens_total = 0
 
     # ------------------------------------------------------------------ intake
     def add(self, msg: TokenizedReq) -> list[TokenOut]:
@@ -268,40 +300,104 @@ class Scheduler:
         running = {r.lora_uid for r in self.running.values() if r.lora_uid and r.lora_uid not in self.pinned_uids}
         return len(running) <= self._unpinned_slots()
 
-    def _admit(self) -> list[Req]:
+    def _insertable(self, uid: str | None) -> bool:
+        """Whether KV computed under ``uid`` may enter the cache (not for an adapter being unloaded or gone)."""
+        if uid is None:
+            return True
+        if uid in self.blocked_uids or uid in self.lost_uids:
+            return False
+        return self.loaded_uids is None or uid in self.loaded_uids
+
+    def _shares_prefill(self, r: Req, ids: list[int], start: int, prefilling: list[Req]) -> bool:
+        """Whether ``ids[start:]`` begins with enough tokens of a prompt still being prefilled (same adapter)
+        that ``r`` should wait for it to be cached rather than compute the same KV too."""
+        end = start + _SHARED_PREFILL_TOKENS
+        if len(ids) <= end:
+            return False
+        for p in prefilling:
+            if p.lora_uid == r.lora_uid and p.prefill_len >= end and p.prefill_ids()[start:end] == ids[start:end]:
+                return True
+        return False
+
+    def _admit(self, budget: float, prefilling: list[Req]) -> list[Req]:
         adapters = {r.lora_uid for r in self.running.values() if r.lora_uid and r.lora_uid not in self.pinned_uids}
         admitted: list[Req] = []
         oldest_starving = bool(self.waiting) and self.waiting[0].waited_steps >= self.starvation_steps
         for r in list(self.waiting):
-            if len(self.running) + len(admitted) >= self.max_running:
+            if len(self.running) + len(admitted) >= self.max_running or budget <= 0:
                 break
-            need = len(r.input_ids) + r.max_new_tokens  # covers a re-admission's produced tokens too
             if r.lora_uid is not None and self.loaded_uids is not None and r.lora_uid not in self.loaded_uids:
                 continue  # its adapter is still being restored
+            ids = r.prefill_ids()
+            matched, node, cached_slots = 0, None, []
+            if self.cache is not None:
+                matched, node, cached_slots = self.cache.match(r.lora_uid, ids, len(ids) - 1)
+                if self._shares_prefill(r, ids, matched, prefilling + admitted):
+                    continue  # its prefix is being computed right now: reuse it next step
+            need = len(r.input_ids) + r.max_new_tokens - matched  # covers a re-admission's produced tokens too
             new_adapter = r.lora_uid is not None and r.lora_uid not in self.pinned_uids and r.lora_uid not in adapters
-            fits = self.kv.can_reserve(need) and not (new_adapter and len(adapters) >= self._unpinned_slots())
+            if node is not None:
+                self.cache.lock(node)  # before eviction, so it cannot evict the prefix it is about to read
+            room = self.kv.slots.num_free - self.kv.reserved
+            evictable = self.cache.evictable_tokens if self.cache is not None else 0
+            fits = room + evictable >= need and not (new_adapter and len(adapters) >= self._unpinned_slots())
             if not fits:
+                if node is not None:
+                    self.cache.unlock(node)
                 if oldest_starving:
                     break  # the oldest request waits for room; nobody overtakes it
                 continue
+            if room < need:
+                self.cache.evict(need - room)
             self.waiting.remove(r)
             if new_adapter:
                 adapters.add(r.lora_uid)
             self.kv.reserve(need)
             r.reserved = need
             r.req_idx = self.rows.alloc(1)[0]
+            r.prefill_len = len(ids)
+            r.first_chunk_at = matched
+            r.cache_node, r.cached = node, matched
+            r.slots = cached_slots
+            r.cached_tokens = min(matched, len(r.input_ids))
+            if not r.counted:
+                r.counted = True
+                self.prompt_tokens_total += len(r.input_ids)
+                self.cached_tokens_total += r.cached_tokens
+            budget -= len(ids) - matched
             admitted.append(r)
             oldest_starving = bool(self.waiting) and self.waiting[0].waited_steps >= self.starvation_steps
         for r in self.waiting:
             r.waited_steps += 1
         return admitted
 
+    def _chunk(self, r: Req, budget: float) -> tuple[BatchReq, str]:
+        """Plan the next prefill chunk of ``r`` (at most ``budget`` tokens); the row kind is "last" when it ends
+        the prefill (its sampled token counts), else "chunk"."""
+        start = len(r.slots)
+        ids = r.prefill_ids()[start : start + int(min(budget, r.prefill_len - start))]
+        slots = self.kv.take(len(ids))
+        r.reserved -= len(slots)
+        prefix_slots = list(r.slots) if start == r.first_chunk_at and start > 0 else []
+        r.slots.extend(slots)
+        kind = "last" if len(r.slots) == r.prefill_len else "chunk"
+        sampling, logprobs = (r.sampling, r.logprobs) if kind == "last" else (_GREEDY, -1)
+        req = BatchReq(
+            r.rid, r.req_idx, ids, start, slots, r.lora_uid, sampling, len(r.output_ids), logprobs, prefix_slots
+        )
+        return req, kind
+
     def next_batch(self) -> ForwardBatch | None:
         """Plan the next step (None when idle). Must be answered with :meth:`on_result` before the next."""
         assert self._in_flight is None, "previous step still in flight"
         plan: list[BatchReq] = []
-        reqs: list[Req] = []
+        rows: list[tuple[Req, str]] = []
+        budget: float = self.chunked_prefill_size if self.chunked_prefill_size > 0 else float("inf")
+        prefilling: list[Req] = []
         for r in self.running.values():
+            if len(r.slots) < r.prefill_len:
+                prefilling.append(r)
+                continue
             slots = self.kv.take(1)
             r.reserved -= 1
             prefix = r.seq_len
@@ -319,24 +415,27 @@ class Scheduler:
                     r.logprobs,
                 )
             )
-            reqs.append(r)
-        for r in self._admit():
-            ids = r.prefill_ids()
-            slots = self.kv.take(len(ids))
-            r.reserved -= len(slots)
-            r.slots = list(slots)  # the plan keeps its own list
+            rows.append((r, "decode"))
+        prefilling.sort(key=lambda r: r.arrival)
+        for r in prefilling:  # requests part-way through their prefill go first
+            if budget <= 0:
+                break
+            req, kind = self._chunk(r, budget)
+            budget -= len(req.input_ids)
+            plan.append(req)
+            rows.append((r, kind))
+        for r in self._admit(budget, prefilling):
             self.running[r.rid] = r
-            plan.append(
-                BatchReq(r.rid, r.req_idx, ids, 0, slots, r.lora_uid, r.sampling, len(r.output_ids), r.logprobs)
-            )
-            reqs.append(r)
+            req, kind = self._chunk(r, budget)
+            budget -= len(req.input_ids)
+            plan.append(req)
+            rows.append((r, kind))
         if not plan:
             return None
         # group requests by adapter so each adapter's tokens form one contiguous segment (fewer LoRA matmuls)
         order = sorted(range(len(plan)), key=lambda i: plan[i].lora_uid or "")
         plan = [plan[i] for i in order]
-        reqs = [reqs[i] for i in order]
-        self._in_flight = reqs
+        self._in_flight = [rows[i] for i in order]
         self._step += 1
         return ForwardBatch(step=self._step, reqs=plan)
 
@@ -351,13 +450,14 @@ class Scheduler:
 
         A row in ``row_errors`` (plan index -> why rank 0 could not sample it) ends only its own request, with
         kind ``server_error`` and the reason; the other rows go on as usual. ``logprobs`` (plan index -> the
-        row's :class:`RowLogprobs`) rides along on each token's :class:`TokenOut`.
+        row's :class:`RowLogprobs`) rides along on each token's :class:`TokenOut`. A prefill chunk that does not
+        end its prompt produces no output (its token is discarded); its KV enters the prefix cache.
         """
-        reqs, self._in_flight = self._in_flight or [], None
-        if len(next_ids) != len(reqs):
-            raise RuntimeError(f"worker returned {len(next_ids)} tokens for {len(reqs)} requests")
+        rows, self._in_flight = self._in_flight or [], None
+        if len(next_ids) != len(rows):
+            raise RuntimeError(f"worker returned {len(next_ids)} tokens for {len(rows)} requests")
         outs: list[TokenOut] = []
-        for i, (r, tok) in enumerate(zip(reqs, next_ids, strict=True)):
+        for i, ((r, kind), tok) in enumerate(zip(rows, next_ids, strict=True)):
             if r.finished or r.rid not in self.running:
                 continue  # aborted while the step ran
             why = (row_errors or {}).get(i)
@@ -368,12 +468,16 @@ class Scheduler:
                 out.error_kind = "server_error"
                 outs.append(out)
                 continue
+            if kind != "decode":
+                self._cache_prefill(r)
+                if kind == "chunk":
+                    continue
             r.output_ids.append(tok)
             reason = self._finish_reason(r, tok)
             if reason is None:
-                out = TokenOut(r.rid, [tok], len(r.input_ids), len(r.output_ids))
+                out = TokenOut(r.rid, [tok], len(r.input_ids), len(r.output_ids), cached_tokens=r.cached_tokens)
             else:
-                self._release(r)
+                self._release(r, keep=True)
                 out = self._finish_out(r, reason, [tok])
             lp = (logprobs or {}).get(i)
             if lp is not None:
@@ -385,9 +489,9 @@ class Scheduler:
 
     def fail_in_flight(self, message: str) -> list[TokenOut]:
         """The step failed: end every request it carried with ``message``."""
-        reqs, self._in_flight = self._in_flight or [], None
+        rows, self._in_flight = self._in_flight or [], None
         outs = []
-        for r in reqs:
+        for r, _ in rows:
             if r.rid in self.running:
                 self._release(r)
                 out = self._finish_out(r, FinishReason("abort", message=message), error=message)
@@ -397,15 +501,18 @@ class Scheduler:
 
     def requeue_running(self) -> int:
         """The workers lost their KV (a TP group restart): drop the step in flight, free every running request's
-        KV and row, and put them back at the head of the queue in arrival order. Each is re-admitted with a
-        prefill of prompt + produced tokens, so it continues exactly where it stopped. Returns how many."""
+        KV and row, empty the prefix cache, and put the requests back at the head of the queue in arrival order.
+        Each is re-admitted with a prefill of prompt + produced tokens, so it continues exactly where it stopped.
+        Returns how many."""
         self._in_flight = None
         back = sorted(self.running.values(), key=lambda r: r.arrival)
         for r in back:
-            self.kv.release(r.slots, r.reserved)
+            self.kv.release(r.slots[r.cached :], r.reserved)
             self.rows.free([r.req_idx])
-            r.slots, r.reserved, r.req_idx = [], 0, -1
+            r.slots, r.reserved, r.req_idx, r.cache_node, r.cached = [], 0, -1, None, 0
         self.running.clear()
+        if self.cache is not None:
+            self.cache.clear()
         self.waiting.extendleft(reversed(back))
         return len(back)
 
@@ -420,6 +527,7 @@ class Scheduler:
         """Adapter ``uid`` is gone for good: end its waiting requests with ``message`` (kind ``not_found``) and
         refuse later ones the same way."""
         self.lost_uids[uid] = message
+        self.drop_adapter(uid)
         outs = []
         for r in [r for r in self.waiting if r.lora_uid == uid]:
             self.waiting.remove(r)
@@ -441,15 +549,72 @@ class Scheduler:
             return FinishReason("length", matched=None)
         return None
 
-    def _release(self, r: Req) -> None:
+    def _cache_prefill(self, r: Req) -> None:
+        """A prefill chunk of ``r`` ran: hand its KV (now written) to the prefix cache, still locked by ``r``."""
+        if self.cache is None or not self._insertable(r.lora_uid):
+            return
+        node = r.cache_node if r.cache_node is not None else self.cache.root(r.lora_uid)
+        n = len(r.slots)
+        child = self.cache.extend_locked(node, r.prefill_ids()[r.cached : n], r.slots[r.cached : n])
+        if child is not None:
+            r.cache_node, r.cached = child, n
+
+    def _release(self, r: Req, keep: bool = False) -> None:
+        """Free ``r``'s row and KV. ``keep`` (a normal finish): first cache the tokens whose KV was written
+        (prompt + output but the last token), so later requests can reuse them."""
         r.finished = True
         self.running.pop(r.rid, None)
-        self.kv.release(r.slots, r.reserved)
+        own = r.slots[r.cached :]
+        if self.cache is not None and keep and self._insertable(r.lora_uid):
+            node = r.cache_node if r.cache_node is not None else self.cache.root(r.lora_uid)
+            seq = r.input_ids + r.output_ids
+            own = self.cache.insert(node, seq[r.cached : len(r.slots)], own)
+        self.kv.release(own, r.reserved)
+        if r.cache_node is not None:
+            self.cache.unlock(r.cache_node)
         self.rows.free([r.req_idx])
-        r.slots, r.reserved = [], 0
+        r.slots, r.reserved, r.cache_node, r.cached = [], 0, None, 0
+
+    # ------------------------------------------------------------------ prefix cache
+    def drop_adapter(self, uid: str) -> int:
+        """Adapter ``uid`` is being unloaded (or is lost): forget its cached KV. Requests still reading some of
+        it keep it until they finish; nothing of it is ever matched again. Returns slots freed now."""
+        return 0 if self.cache is None else self.cache.drop(uid)
+
+    def kv_in_use(self) -> int:
+        """KV slots held by running requests alone (not by the prefix cache)."""
+        return sum(len(r.slots) - r.cached for r in self.running.values())
+
+    def cache_stats(self) -> dict[str, int]:
+        """Prefix-cache counters, all in tokens.
+
+        Returns:
+            ``prompt_tokens_total`` and ``cached_tokens_total`` (prompt tokens admitted since start, each
+            request once, and how many of them came from the cache: hit rate = cached / prompt),
+            ``cache_tokens`` (KV slots the cache holds now), ``cache_evictable_tokens`` (of those, read by no
+            running request) and ``cache_evicted_tokens`` (freed by LRU eviction since start). The cache
+            counters are 0 with the cache off.
+        """
+        c = self.cache
+        return {
+            "prompt_tokens_total": self.prompt_tokens_total,
+            "cached_tokens_total": self.cached_tokens_total,
+            "cache_tokens": 0 if c is None else c.cached_tokens,
+            "cache_evictable_tokens": 0 if c is None else c.evictable_tokens,
+            "cache_evicted_tokens": 0 if c is None else c.evicted_tokens,
+        }
 
     def _finish_out(
         self, r: Req, reason: FinishReason, new_ids: list[int] | None = None, error: str | None = None
     ) -> TokenOut:
         r.finished = True
-        return TokenOut(r.rid, new_ids or [], len(r.input_ids), len(r.output_ids), True, reason, error)
+        return TokenOut(
+            r.rid,
+            new_ids or [],
+            len(r.input_ids),
+            len(r.output_ids),
+            True,
+            reason,
+            error,
+            cached_tokens=r.cached_tokens,
+        )
