@@ -25,6 +25,8 @@ LLAMA_LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_p
 ALL_LINEAR = "all-linear"
 VOCAB_MODULES = ("lm_head", "embed_tokens")  # the vocabulary layers, which Loom never adapts
 CONFIG_FILE = "adapter_config.json"
+DEFAULT_SERVED_MODEL_NAME = "SmolLM2-135M-Instruct"  # the base model's id when --served-model-name is not given
+MODEL_ADAPTER_SEPARATOR = ":"  # a request's model may be ``BASE:ADAPTER``
 WEIGHTS_FILE = "adapter_model.safetensors"
 
 
@@ -257,6 +259,33 @@ def adapter_content_hash(folder: str | Path, name: str) -> str:
         except OSError as e:
             raise LoraConfigError(f"LoRA adapter {name}: cannot read {path}: {e.strerror or e}") from None
     return h.hexdigest()
+
+
+def adapter_name_problem(name: str, served_model_name: str = "") -> str | None:
+    """Why ``name`` cannot name a LoRA adapter (None: it can), as a message naming the adapter and the problem.
+
+    Every entry point that loads adapters (HTTP ``/load_lora_adapter``, ZMQ ``LoadLoraReq``, ``--lora-paths``)
+    checks names through this one function, so a request's ``model`` always names one thing: a name must be
+    non-empty, have no leading or trailing whitespace, contain no ``/`` and no ``:`` (the ``BASE:ADAPTER``
+    separator), and differ from the served model's name (the base model's id).
+    """
+    if not name.strip():
+        return f"LoRA adapter name {name!r} is empty or only whitespace; give the adapter a name"
+    if name != name.strip():
+        return f"LoRA adapter name {name!r} has leading or trailing whitespace"
+    if "/" in name:
+        return f"LoRA adapter name {name!r} contains '/'"
+    if MODEL_ADAPTER_SEPARATOR in name:
+        return (
+            f"LoRA adapter name {name!r} contains {MODEL_ADAPTER_SEPARATOR!r}, which separates BASE:ADAPTER in a "
+            "request's model"
+        )
+    if served_model_name and name == served_model_name:
+        return (
+            f"LoRA adapter name {name!r} is the served model's name (the base model's id): a request's model "
+            "could not tell them apart; choose another name"
+        )
+    return None
 
 
 def never_loaded_message(name: str, loaded: list[str]) -> str:

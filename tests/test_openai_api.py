@@ -216,12 +216,25 @@ def test_unsupported_fields_are_refused_by_name(client: openai.OpenAI, base: str
 def test_bad_values_are_400_with_openai_names(client: openai.OpenAI, base: str) -> None:
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=base, messages=FRANCE, max_tokens=100000)
-    assert "max_tokens" in e.value.message
+    assert "max_tokens" in e.value.message and e.value.body["param"] == "max_tokens"
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=base, prompt="x", temperature=-1)
-    assert "temperature" in e.value.message
+    assert "temperature" in e.value.message and e.value.body["param"] == "temperature"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=base, messages=[{"role": "user"}], max_tokens=4)  # type: ignore[list-item]
+    assert e.value.body["param"] == "messages[0].content"
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model=base, messages=FRANCE, top_logprobs=3)  # without logprobs=true
+
+
+def test_adapter_names_that_would_make_model_ambiguous_are_refused(cluster: ClusterHandle, base: str) -> None:
+    path = str(real_adapters()["r8-all"])
+    for name in (base, " ", f"{base}:x", " a"):
+        status, out = native(cluster, "/load_lora_adapter", {"lora_name": name, "lora_path": path})
+        assert status == 400 and "LoRA adapter name" in json.dumps(out), (name, out)
+    status, out = native(cluster, "/v1/models")
+    ids = [m["id"] for m in out["data"]]
+    assert status == 200 and ids.count(base) == 1 and " " not in ids, ids
 
 
 # ----------------------------------------------------------------------------- logprobs

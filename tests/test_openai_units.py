@@ -226,3 +226,196 @@ def test_cluster_health_reasons_and_evictions_across_schedulers() -> None:
     h.heard_from_scheduler()
     h.unavailable = "TP group restarting"
     assert h.problem() == "TP group restarting"
+
+
+# ----------------------------------------------------------------------------- refusals name OpenAI's fields
+
+
+def test_seed_range_with_n_is_refused_not_wrapped() -> None:
+    top = oa.MAX_SEED
+    assert top == 2**63 - 1
+    with pytest.raises(HttpError) as e:
+        decode_chat({**CHAT, "seed": top - 1, "n": 3})
+    assert e.value.status == 400 and e.value.param == "seed" and str(top) in e.value.message
+    for seed in (-1, top + 1):
+        with pytest.raises(HttpError) as e:
+            decode_chat({**CHAT, "seed": seed})
+        assert e.value.param == "seed"
+    req = decode_chat({**CHAT, "seed": top - 2, "n": 3})  # the last choice gets exactly the largest seed
+    assert [oa.sampling_params(req, 1, j).seed for j in range(3)] == [top - 2, top - 1, top]
+    assert decode_chat({**CHAT, "seed": top}).seed == top
+
+
+def test_adapter_names_are_checked_by_one_function() -> None:
+    from ipc.lora_config import adapter_name_problem
+    from tokenizer_proc.registry import AdapterRefused, LoraRegistry
+
+    base = "SmolLM2-135M-Instruct"
+    for name, words in (
+        ("", "empty"),
+        ("   ", "empty or only whitespace"),
+        (" a", "leading or trailing whitespace"),
+        ("a\t", "leading or trailing whitespace"),
+        ("a/b", "'/'"),
+        ("a:b", "separates BASE:ADAPTER"),
+        (base, "served model's name"),
+    ):
+        problem = adapter_name_problem(name, base)
+        assert problem is not None and words in problem, (name, problem)
+        with pytest.raises(AdapterRefused, match="LoRA adapter name"):
+            LoraRegistry(served_model_name=base).check_adapter(name, "/nonexistent")
+    assert adapter_name_problem("my-adapter_2.v1", base) is None
+    assert adapter_name_problem(base, "") is None  # no served name known: nothing to clash with
+
+
+def test_every_load_entry_point_refuses_bad_adapter_names(model_path) -> None:
+    """HTTP ``/load_lora_adapter``, ZMQ ``LoadLoraReq`` and ``--lora-paths`` all load through
+    ``FrontDoor.load_adapter``; a bad name is refused there before anything reaches the scheduler."""
+    from tokenizer_proc.front_door import FrontDoor
+    from tokenizer_proc.registry import AdapterRefused
+
+    async def run() -> None:
+        sent: list[object] = []
+        door = FrontDoor(make_args(model_path, enable_lora=True), sent.append)
+        for name in ("SmolLM2-135M-Instruct", " ", "", " x ", "SmolLM2-135M-Instruct:x"):
+            with pytest.raises(AdapterRefused, match="LoRA adapter name"):
+                await door.load_adapter(name, str(model_path))
+        named = FrontDoor(make_args(model_path, enable_lora=True, served_model_name="served"), sent.append)
+        with pytest.raises(AdapterRefused, match="served model's name"):
+            await named.load_adapter("served", str(model_path))
+        assert not sent and not door.registry.refs and not named.registry.refs
+
+    asyncio.run(run())
+
+
+async def _call(routes, path: str, body: dict) -> tuple[int, dict]:
+    """POST ``body`` to one of ``routes``'s endpoints in process: (status, JSON body)."""
+    from starlette.requests import Request
+
+    from tokenizer_proc.http_io import guarded
+    from tokenizer_proc.openai_routes import error_response
+
+    data = json.dumps(body).encode()
+    sent = False
+
+    async def receive() -> dict:
+        nonlocal sent
+        if sent:
+            await asyncio.sleep(3600)
+        sent = True
+        return {"type": "http.request", "body": data, "more_body": False}
+
+    scope = {"type": "http", "method": "POST", "path": path, "headers": [], "query_string": b""}
+    fn = routes.chat if path.endswith("chat/completions") else routes.completions
+    resp = await asyncio.wait_for(guarded(error_response)(fn)(Request(scope, receive)), 30)
+    return resp.status_code, json.loads(resp.body)
+
+
+BASE = "SmolLM2-135M-Instruct"
+USER = [{"role": "user", "content": "hi"}]
+_CHAT_400 = [
+    ({"messages": [{"role": "user"}]}, "messages[0].content", "messages[0].content is required"),
+    ({"messages": [{"role": "user", "content": "a"}, {"role": "assistant"}]}, "messages[1].content", "required"),
+    ({"messages": []}, "messages", "messages is empty"),
+    ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role", "messages[0].role='wizard'"),
+    ({"max_tokens": 0}, "max_tokens", "max_tokens=0 must be in [1, 2048]"),
+    ({"max_tokens": -1}, "max_tokens", "max_tokens=-1"),
+    ({"max_completion_tokens": 0}, "max_completion_tokens", "max_completion_tokens=0"),
+    ({"max_tokens": 5000}, "max_tokens", "max_tokens=5000 must be in [1, 2048]"),
+    ({"temperature": -1}, "temperature", "temperature=-1"),
+    ({"temperature": 101}, "temperature", "temperature=101"),
+    ({"top_p": 0}, "top_p", "top_p=0"),
+    ({"top_k": 0}, "top_k", "top_k=0"),
+    ({"seed": -1}, "seed", "seed=-1"),
+    ({"seed": 2**63 - 2, "n": 3}, "seed", "9223372036854775807"),
+    ({"stop": ""}, "stop", "stop"),
+    ({"stop": [str(i) for i in range(17)]}, "stop", "at most 16"),
+    ({"stop_token_ids": [10**9]}, "stop_token_ids", "outside the vocabulary"),
+    ({"model": ""}, "model", "model='' is empty"),
+    ({"model": " "}, "model", "is empty"),
+    ({"model": BASE + ":"}, "model", "names no adapter after"),
+]
+
+
+@pytest.mark.parametrize(("extra", "param", "words"), _CHAT_400)
+def test_chat_400s_name_the_openai_field(model_path, extra: dict, param: str, words: str) -> None:
+    from tokenizer_proc.front_door import FrontDoor
+    from tokenizer_proc.openai_routes import OpenAIRoutes
+
+    async def run() -> None:
+        sent: list[object] = []
+        for lora in (False, True):
+            routes = OpenAIRoutes(FrontDoor(make_args(model_path, enable_lora=lora), sent.append))
+            status, out = await _call(routes, "/v1/chat/completions", {"model": BASE, "messages": USER, **extra})
+            err = out["error"]
+            assert status == 400 and err["param"] == param and words in err["message"], (lora, out)
+            assert "max_new_tokens" not in err["message"] and "lora_path" not in err["message"]
+            assert "sampling_params" not in err["message"]
+        assert not sent  # refused before anything reached the scheduler
+
+    asyncio.run(run())
+
+
+_COMPLETION_400 = [
+    ({"prompt": ""}, "prompt", "prompt is empty"),
+    ({"prompt": ["a", ""]}, "prompt", "prompt[1] is empty"),
+    ({"prompt": [1, 10**9]}, "prompt", "prompt[1]=1000000000 is outside the vocabulary"),
+    ({"prompt": [-1]}, "prompt", "prompt[0]=-1 is outside the vocabulary"),
+    ({"prompt": [[1], [2, 10**9]]}, "prompt", "prompt[1][1]=1000000000"),
+    ({"prompt": [1] * 2040}, "prompt", "prompt (2040 tokens) + max_tokens (16) exceeds the context length 2048"),
+    ({"prompt": [1] * 2047, "max_tokens": 2}, "prompt", "prompt (2047 tokens) + max_tokens (2)"),
+    ({"max_tokens": 0}, "max_tokens", "max_tokens=0"),
+    ({"temperature": 101}, "temperature", "temperature=101"),
+    ({"stop": [str(i) for i in range(17)]}, "stop", "at most 16"),
+    ({"model": ""}, "model", "is empty"),
+]
+
+
+@pytest.mark.parametrize(("extra", "param", "words"), _COMPLETION_400)
+def test_completion_400s_name_the_openai_field(model_path, extra: dict, param: str, words: str) -> None:
+    from tokenizer_proc.front_door import FrontDoor
+    from tokenizer_proc.openai_routes import OpenAIRoutes
+
+    async def run() -> None:
+        sent: list[object] = []
+        routes = OpenAIRoutes(FrontDoor(make_args(model_path), sent.append))
+        status, out = await _call(routes, "/v1/completions", {"model": BASE, "prompt": "hi", **extra})
+        err = out["error"]
+        assert status == 400 and err["param"] == param and words in err["message"], out
+        assert "max_new_tokens" not in err["message"] and "input_ids" not in err["message"]
+        assert not sent
+
+    asyncio.run(run())
+
+
+def test_context_length_errors_say_max_tokens_and_its_value(model_path) -> None:
+    from tokenizer_proc.front_door import FrontDoor
+    from tokenizer_proc.openai_routes import OpenAIRoutes
+
+    async def run() -> None:
+        sent: list[object] = []
+        door = FrontDoor(make_args(model_path), sent.append)
+        routes = OpenAIRoutes(door)
+        long_chat = [{"role": "user", "content": "hello " * 2100}]  # over 2048 tokens, few enough characters
+        status, out = await _call(routes, "/v1/chat/completions", {"model": BASE, "messages": long_chat})
+        msg = out["error"]["message"]
+        assert status == 400 and out["error"]["param"] == "messages", out
+        assert "leaves no room" in msg and "max_tokens was not given" in msg and "max_new_tokens" not in msg
+
+        body = {"model": BASE, "messages": long_chat, "max_tokens": 7}
+        status, out = await _call(routes, "/v1/chat/completions", body)
+        assert status == 400 and "+ max_tokens (7) exceeds the context length 2048" in out["error"]["message"]
+
+        huge = "x" * (2048 * door.codec.max_token_chars + 1)  # refused by its length before it is tokenized
+        status, out = await _call(routes, "/v1/completions", {"model": BASE, "prompt": huge, "max_tokens": 2})
+        msg = out["error"]["message"]
+        assert status == 400 and out["error"]["param"] == "prompt" and "minus max_tokens (2)" in msg, out
+        status, out = await _call(
+            routes, "/v1/chat/completions", {"model": BASE, "messages": [{"role": "user", "content": huge}]}
+        )
+        msg = out["error"]["message"]
+        assert status == 400 and out["error"]["param"] == "messages" and "minus max_tokens (1)" in msg, out
+        assert "max_tokens was not given" in msg
+        assert not sent
+
+    asyncio.run(run())

@@ -43,6 +43,7 @@ from tokenizer_proc.stop_text import StopText
 from tokenizer_proc.text import ChatTemplateError, IncrementalText, TextCodec
 from tokenizer_proc.validate import (
     BadRequest,
+    PromptTooLong,
     check_one_prompt,
     check_prompt_chars,
     validate_logprobs,
@@ -129,16 +130,24 @@ class FrontDoor:
         self.metrics.watch(self)
 
     # ------------------------------------------------------------------ generate
-    def _check_chars(self, what: str, n_chars: int, req: GenerateReq) -> None:
+    def _check_chars(
+        self, what: str, n_chars: int, req: GenerateReq, field: str, limit_name: str = "max_new_tokens"
+    ) -> None:
         check_prompt_chars(
-            what, n_chars, req.sampling_params.max_new_tokens, self.context_len, self.codec.max_token_chars
+            what,
+            n_chars,
+            req.sampling_params.max_new_tokens,
+            self.context_len,
+            self.codec.max_token_chars,
+            field=field,
+            limit_name=limit_name,
         )
 
-    def _chat_ids(self, req: GenerateReq) -> list[int]:
+    def _chat_ids(self, req: GenerateReq, limit_name: str = "max_new_tokens") -> list[int]:
         """Render and tokenize a chat request (after its content passed the length check)."""
         messages = [{"role": m.role, "content": m.content} for m in req.messages or ()]
         rendered = self.codec.render_chat(messages)
-        self._check_chars("the rendered chat", len(rendered), req)
+        self._check_chars("the rendered chat", len(rendered), req, "messages", limit_name)
         return self.codec.encode_chat(
             messages, allow_special_tokens_in_content=req.allow_special_tokens_in_content, rendered=rendered
         )
@@ -159,9 +168,10 @@ class FrontDoor:
         finally:
             self.tokenizing -= 1
 
-    async def prompt_ids(self, req: GenerateReq) -> list[int]:
+    async def prompt_ids(self, req: GenerateReq, limit_name: str = "max_new_tokens") -> list[int]:
         """The prompt's token ids. Every length is checked before the prompt is walked or tokenized, and a long
         prompt is tokenized off the event loop, so a huge request never stalls the streams of others.
+        ``limit_name`` is what length errors call ``max_new_tokens`` (the OpenAI routes say ``max_tokens``).
 
         Raises:
             BadRequest / ChatTemplateError: the prompt is malformed or can never fit the context.
@@ -172,21 +182,23 @@ class FrontDoor:
             n = len(req.input_ids)
             budget = self.context_len - req.sampling_params.max_new_tokens
             if n > budget:  # before looking at any id: a 3,000,000-id prompt costs no more than a short one
-                raise BadRequest(
-                    f"prompt ({n} tokens) + max_new_tokens ({req.sampling_params.max_new_tokens}) exceeds the "
-                    f"context length {self.context_len}"
+                raise PromptTooLong(
+                    f"prompt ({n} tokens) + {limit_name} ({req.sampling_params.max_new_tokens}) exceeds the "
+                    f"context length {self.context_len}",
+                    "input_ids",
                 )
             return list(req.input_ids)
         if req.messages is not None:
             if len(req.messages) > self.context_len:
-                raise BadRequest(
-                    f"messages has {len(req.messages)} entries; at most {self.context_len} can fit the context"
+                raise PromptTooLong(
+                    f"messages has {len(req.messages)} entries; at most {self.context_len} can fit the context",
+                    "messages",
                 )
             n_chars = sum(len(m.content) for m in req.messages)
-            self._check_chars("the messages' content", n_chars, req)
-            return await self._off_loop(self._chat_ids, req, n_chars)
+            self._check_chars("the messages' content", n_chars, req, "messages", limit_name)
+            return await self._off_loop(lambda r: self._chat_ids(r, limit_name), req, n_chars)
         text = req.text or ""
-        self._check_chars("text", len(text), req)
+        self._check_chars("text", len(text), req, "text", limit_name)
         # TextCodec encodes through the tokenizers library's batch call, which releases the GIL
         return await self._off_loop(lambda r: self.codec.encode(r.text or ""), req, len(text))
 

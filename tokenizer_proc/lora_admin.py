@@ -25,7 +25,7 @@ from collections.abc import Callable, Coroutine
 from typing import Any, Protocol
 
 from ipc.config import ServerArgs
-from ipc.lora_config import LoraConfigError, adapter_content_hash
+from ipc.lora_config import DEFAULT_SERVED_MODEL_NAME, LoraConfigError, adapter_content_hash
 from ipc.messages import (
     AdapterInfo,
     AdapterState,
@@ -72,6 +72,7 @@ class LoraAdmin:
             max_loaded=args.max_loaded_loras,
             max_slots=args.max_loras_per_batch,
             tie_word_embeddings=tie_word_embeddings,
+            served_model_name=args.served_model_name or DEFAULT_SERVED_MODEL_NAME,
         )
         self._ops: dict[int, asyncio.Future] = {}
         self._op_cmds: dict[int, object] = {}  # answered commands leave; the rest are resent to a new scheduler
@@ -283,7 +284,9 @@ class LoraAdmin:
         if name is None:
             return None
         if not self.args.enable_lora:
-            raise BadRequest(f"lora_path={name!r} given but LoRA is not enabled (start with --enable-lora)")
+            raise BadRequest(
+                f"lora_path={name!r} given but LoRA is not enabled (start with --enable-lora)", "lora_path"
+            )
         while True:
             t = self.registry.busy(name)
             if t is None or t.kind == "restore":  # a restore keeps the uid: the scheduler queues its requests

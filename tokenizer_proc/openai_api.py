@@ -15,12 +15,16 @@ from typing import Any, Literal
 
 import msgspec
 
+from ipc.lora_config import MODEL_ADAPTER_SEPARATOR
 from ipc.messages import FinishReason, MetaInfo, SamplingParams
 from tokenizer_proc.http_io import HttpError
+from tokenizer_proc.validate import CHAT_ROLES
 
 MAX_N = 64  # choices per request
 MAX_TOP_LOGPROBS = 20
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
+MAX_SEED = 2**63 - 1  # the largest seed Loom's samplers take
+ROLES = (*CHAT_ROLES, "developer")  # developer is taken as system
 _UNKNOWN_FIELD = re.compile(r"Object contains unknown field `([^`]+)`(?: - at `\$\.?([^`]*)`)?")
 _AT = re.compile(r" - at `\$\.?([^`]*)`")
 TokenText = Callable[[int], str]
@@ -132,6 +136,7 @@ def check_supported(req: ChatCompletionRequest | CompletionRequest) -> None:
         _refuse("service_tier", '"auto" or "default"')
     if not 1 <= req.n <= MAX_N:
         raise HttpError(400, f"n={req.n} must be in [1, {MAX_N}]", param="n")
+    check_seed(req.seed, req.n)
     if req.stream_options is not None and not req.stream:
         raise HttpError(400, "stream_options is only allowed with stream=true", param="stream_options")
     if isinstance(req, ChatCompletionRequest):
@@ -160,10 +165,36 @@ def check_supported(req: ChatCompletionRequest | CompletionRequest) -> None:
             raise HttpError(400, f"logprobs must be in [0, {MAX_TOP_LOGPROBS}]", param="logprobs")
 
 
+def check_seed(seed: int | None, n: int) -> None:
+    """Refuse (400, param ``seed``) a seed outside ``[0, 2**63 - 1]``, or one whose choices' seeds
+    ``seed + i`` (``i < n``) would pass that limit."""
+    if seed is None:
+        return
+    if not 0 <= seed <= MAX_SEED:
+        raise HttpError(400, f"seed={seed} must be in [0, {MAX_SEED}] (2**63 - 1)", param="seed")
+    if seed + n - 1 > MAX_SEED:
+        why = (
+            f"seed={seed} with n={n}: choice i is sampled with seed + i, and seed + n - 1 = {seed + n - 1} exceeds "
+            f"the largest seed {MAX_SEED} (2**63 - 1); use a seed of at most {MAX_SEED - n + 1}"
+        )
+        raise HttpError(400, why, param="seed")
+
+
 def chat_messages(req: ChatCompletionRequest) -> list[dict[str, str]]:
-    """The messages as Loom's chat template takes them (text parts joined by newlines)."""
+    """The messages as Loom's chat template takes them (text parts joined by newlines). Refuses (400, naming
+    ``messages[i].role`` / ``messages[i].content``) an empty list, an unknown role and a message without
+    content (Loom serves no tool calls, so every message carries its content)."""
+    if not req.messages:
+        raise HttpError(400, "messages is empty: give at least one message", param="messages")
     out = []
     for i, m in enumerate(req.messages):
+        if m.role not in ROLES:
+            where = f"messages[{i}].role"
+            raise HttpError(400, f"{where}={m.role!r} must be one of {', '.join(ROLES)}", param=where)
+        if m.content is None:
+            where = f"messages[{i}].content"
+            why = f"{where} is required: every message carries its text (Loom supports no tool calls)"
+            raise HttpError(400, why, param=where)
         if isinstance(m.content, list):
             texts = []
             for j, part in enumerate(m.content):
@@ -174,7 +205,7 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict[str, str]]:
                 texts.append(part.text)
             content = "\n".join(texts)
         else:
-            content = m.content or ""
+            content = m.content
         out.append({"role": "system" if m.role == "developer" else m.role, "content": content})
     return out
 
@@ -183,12 +214,17 @@ def completion_prompts(req: CompletionRequest) -> list[str | list[int]]:
     """``prompt`` as a list of prompts, each a string or token ids."""
     p = req.prompt
     if isinstance(p, str):
+        if not p:
+            raise HttpError(400, "prompt is empty", param="prompt")
         return [p]
     if not p:
         raise HttpError(400, "prompt is empty", param="prompt")
     if all(isinstance(x, int) and not isinstance(x, bool) for x in p):
         return [list(p)]
     if all(isinstance(x, str) for x in p):
+        for j, x in enumerate(p):
+            if not x:
+                raise HttpError(400, f"prompt[{j}] is empty", param="prompt")
         return list(p)
     if all(isinstance(x, list) and x and all(isinstance(t, int) and not isinstance(t, bool) for t in x) for x in p):
         return [list(x) for x in p]
@@ -198,22 +234,31 @@ def completion_prompts(req: CompletionRequest) -> list[str | list[int]]:
 def resolve_model(model: str, base_id: str, adapters: Collection[str], lora_enabled: bool) -> str | None:
     """The adapter ``model`` names (None: the base model): the base model's id, an adapter's name, or
     ``BASE:ADAPTER``. Any other name is taken as an adapter name, so the front door answers 404 with its
-    ``never been loaded`` text; without LoRA it is a 404 ``model_not_found``."""
+    ``never been loaded`` text; without LoRA it is a 404 ``model_not_found``. An empty ``model`` or an empty
+    adapter after ``BASE:`` is a 400."""
     if model == base_id:
         return None
+    if not model.strip():
+        why = f"model={model!r} is empty: name the base model `{base_id}` or a LoRA adapter"
+        raise HttpError(400, why, param="model")
+    prefix = base_id + MODEL_ADAPTER_SEPARATOR
+    if model.startswith(prefix) and not model[len(prefix) :].strip():
+        why = f"model={model!r} names no adapter after `{prefix}`: give `{prefix}ADAPTER` or the base model `{base_id}`"
+        raise HttpError(400, why, param="model")
     if not lora_enabled:
         raise HttpError(404, f"The model `{model}` does not exist: this server serves `{base_id}`", param="model")
-    if model not in adapters and model.startswith(base_id + ":"):
-        return model[len(base_id) + 1 :]
+    if model not in adapters and model.startswith(prefix):
+        return model[len(prefix) :]
     return model
 
 
 def sampling_params(req: ChatCompletionRequest | CompletionRequest, max_new_tokens: int, choice: int) -> SamplingParams:
     """Loom's sampling parameters for choice number ``choice`` (a seeded request's choices get seeds
-    ``seed``, ``seed + 1``, ... so that they differ and each stays reproducible)."""
+    ``seed``, ``seed + 1``, ... so that they differ and each stays reproducible; :func:`check_seed` refused a
+    seed whose choices would pass ``MAX_SEED``)."""
     seed = req.seed
     if seed is not None and choice:
-        seed = (seed + choice) % 2**63
+        seed = seed + choice
     return SamplingParams(
         max_new_tokens=max_new_tokens,
         temperature=1.0 if req.temperature is None else req.temperature,
@@ -226,9 +271,30 @@ def sampling_params(req: ChatCompletionRequest | CompletionRequest, max_new_toke
     )
 
 
-def openai_message(text: str) -> str:
-    """A front-door error message with Loom's native field names replaced by OpenAI's."""
-    return text.replace("sampling_params.max_new_tokens", "max_tokens").replace("sampling_params.", "")
+def openai_message(text: str, max_tokens_name: str = "max_tokens") -> str:
+    """A front-door error message with Loom's native field names replaced by OpenAI's (``max_tokens_name``: the
+    field the client sent, ``max_tokens`` or ``max_completion_tokens``)."""
+    text = text.replace("sampling_params.max_new_tokens", max_tokens_name).replace("max_new_tokens", max_tokens_name)
+    return text.replace("sampling_params.", "").replace("lora_path", "model")
+
+
+def openai_param(field: str | None, prompt_param: str, max_tokens_name: str = "max_tokens") -> str | None:
+    """The OpenAI field (``param``) for a native field named by a :class:`~tokenizer_proc.validate.BadRequest`:
+    ``sampling_params.X`` is ``X`` (``max_new_tokens`` is ``max_tokens_name``), the prompt's fields
+    (``text``, ``input_ids[...]``) are ``prompt_param``, ``lora_path`` is ``model``; ``messages[...]`` stays."""
+    if field is None:
+        return None
+    if field == "sampling_params.max_new_tokens":
+        return max_tokens_name
+    if field.startswith("sampling_params."):
+        return field[len("sampling_params.") :]
+    if field == "text" or field.startswith("input_ids"):
+        return prompt_param
+    if field == "lora_path":
+        return "model"
+    if field == "top_logprobs_num":
+        return "top_logprobs" if prompt_param == "messages" else "logprobs"
+    return field
 
 
 # ----------------------------------------------------------------------------- responses

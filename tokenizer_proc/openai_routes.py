@@ -22,6 +22,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import Send
 
+from ipc.lora_config import DEFAULT_SERVED_MODEL_NAME
 from ipc.messages import ChatMessage, ErrorOut, GenerateOut, GenerateReq, SamplingParams, ServerMsg
 from tokenizer_proc import openai_api as oa
 from tokenizer_proc.http_io import (
@@ -41,12 +42,12 @@ from tokenizer_proc.http_io import (
     sse_event,
 )
 from tokenizer_proc.text import ChatTemplateError
-from tokenizer_proc.validate import BadRequest
+from tokenizer_proc.validate import BadRequest, PromptTooLong, validate_sampling
 
 if TYPE_CHECKING:
     from tokenizer_proc.front_door import FrontDoor
 
-DEFAULT_BASE_ID = "SmolLM2-135M-Instruct"
+DEFAULT_BASE_ID = DEFAULT_SERVED_MODEL_NAME
 
 
 def error_response(status: int, message: str, param: str | None, headers: dict[str, str] | None = None) -> Response:
@@ -54,9 +55,16 @@ def error_response(status: int, message: str, param: str | None, headers: dict[s
     return json_response(status, oa.error_detail(status, message, param), headers)
 
 
-def _error_for(msg: ErrorOut) -> Response:
-    param = "model" if msg.kind == "not_found" else None  # the only thing a request can name that is not found
-    return error_response(KIND_STATUS.get(msg.kind, 500), oa.openai_message(msg.message), param)
+CHAT_DEFAULT_NOTE = "max_tokens was not given: it defaults to what the context leaves after the prompt, at least 1"
+
+
+def _error_for(msg: ErrorOut, adapter: str | None = None) -> Response:
+    """The response for a front-door error. Every field the front door checks was checked (and named) before
+    the call was submitted, except the adapter: a 404, or with an adapter a 400, is about ``model``."""
+    about_model = msg.kind == "not_found" or (msg.kind == "bad_request" and adapter is not None)
+    return error_response(
+        KIND_STATUS.get(msg.kind, 500), oa.openai_message(msg.message), "model" if about_model else None
+    )
 
 
 @dataclass
@@ -71,6 +79,21 @@ class Call:
     include_usage: bool
     want_logprobs: bool
     want_top: bool  # completions: top_logprobs dicts
+
+
+@dataclass
+class Limits:
+    """How many tokens a call's completions may take, as its length checks and their errors need it."""
+
+    name: str  # the field the client sent (``max_tokens`` / ``max_completion_tokens``)
+    given: int | None  # the value used for every choice (None: a chat's default, what the context leaves)
+    prompt_param: str  # the prompt's OpenAI field: ``messages`` or ``prompt``
+    note: str | None = None  # how the default was chosen, when the client gave no value
+
+    @property
+    def least(self) -> int:
+        """The fewest tokens a completion may take (1 for a chat's default)."""
+        return 1 if self.given is None else self.given
 
 
 @dataclass
@@ -122,15 +145,47 @@ class OpenAIRoutes:
         names = set(reg.loaded) | set(reg.refs)
         return oa.resolve_model(model, self.base_id, names, self.door.args.enable_lora)
 
-    async def _tokenize(self, **prompt: Any) -> list[int]:
-        """Token ids of one prompt (``text=`` or ``messages=``), checked and tokenized by the front door."""
-        probe = GenerateReq(sampling_params=SamplingParams(max_new_tokens=1), **prompt)
+    async def _tokenize(self, limits: Limits, **prompt: Any) -> list[int]:
+        """Token ids of one prompt (``text=`` or ``messages=``), checked and tokenized by the front door (its
+        length checks count the ``max_tokens`` the request will use)."""
+        probe = GenerateReq(sampling_params=SamplingParams(max_new_tokens=limits.least), **prompt)
         try:
-            return await self.door.prompt_ids(probe)
-        except (BadRequest, ChatTemplateError) as e:
-            raise HttpError(400, oa.openai_message(str(e))) from None
+            return await self.door.prompt_ids(probe, limits.name)
+        except BadRequest as e:
+            note = f" ({limits.note})" if isinstance(e, PromptTooLong) and limits.note else ""
+            param = oa.openai_param(e.field, limits.prompt_param, limits.name)
+            raise HttpError(400, oa.openai_message(str(e), limits.name) + note, param=param) from None
+        except ChatTemplateError as e:
+            raise HttpError(400, str(e), param="messages") from None
         except RuntimeError as e:  # Overloaded: too many long prompts wait for the tokenizer thread
             raise HttpError(503, str(e)) from None
+
+    def _check_sampling(self, req: oa.ChatCompletionRequest | oa.CompletionRequest, limits: Limits) -> None:
+        """Check the sampling values as the front door will (its errors name OpenAI's fields here)."""
+        probe = GenerateReq(sampling_params=oa.sampling_params(req, limits.least, 0))
+        try:
+            validate_sampling(probe, self.door.context_len, self.door.vocab_size)
+        except BadRequest as e:
+            param = oa.openai_param(e.field, limits.prompt_param, limits.name)
+            raise HttpError(400, oa.openai_message(str(e), limits.name), param=param) from None
+
+    def _check_ids(self, ids: list[int], limits: Limits, where: str) -> None:
+        """Refuse a tokenized prompt that leaves no room for its completion, or (token-id prompts) holds an id
+        outside the vocabulary; ``where`` names the prompt (``prompt``, ``prompt[1]``, ``messages``)."""
+        context, vocab = self.door.context_len, self.door.vocab_size
+        if limits.given is not None and len(ids) + limits.given > context:
+            why = (
+                f"{where} ({len(ids)} tokens) + {limits.name} ({limits.given}) exceeds the context length {context}; "
+                f"shorten the prompt or lower {limits.name}"
+            )
+            raise HttpError(400, why + (f" ({limits.note})" if limits.note else ""), param=limits.prompt_param)
+        if limits.given is None and len(ids) + 1 > context:
+            why = f"{where} ({len(ids)} tokens) leaves no room for a completion in the context length {context}"
+            raise HttpError(400, f"{why} ({limits.note})", param=limits.prompt_param)
+        for i, t in enumerate(ids):
+            if not 0 <= t < vocab:
+                why = f"{where}[{i}]={t} is outside the vocabulary [0, {vocab})"
+                raise HttpError(400, why, param=limits.prompt_param)
 
     def _check_admitting(self) -> None:
         if self.door.health.draining is not None:
@@ -167,8 +222,12 @@ class OpenAIRoutes:
         self._check_admitting()
         self._adapter(req.model)  # an unknown model fails before the prompt is tokenized
         messages = [ChatMessage(m["role"], m["content"]) for m in oa.chat_messages(req)]
-        ids = await self._tokenize(messages=messages)
         limit = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+        limits = Limits(name, limit, "messages", None if limit is not None else CHAT_DEFAULT_NOTE)
+        self._check_sampling(req, limits)
+        ids = await self._tokenize(limits, messages=messages)
+        self._check_ids(ids, limits, "the chat prompt")
         context = self.door.context_len
 
         def max_tokens(p: list[int]) -> int:
@@ -193,10 +252,16 @@ class OpenAIRoutes:
         oa.check_supported(req)
         self._check_admitting()
         self._adapter(req.model)
-        prompts = []
-        for p in oa.completion_prompts(req):
-            prompts.append(p if isinstance(p, list) else await self._tokenize(text=p))
         limit = oa.COMPLETIONS_DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
+        note = None if req.max_tokens is not None else f"max_tokens defaults to {oa.COMPLETIONS_DEFAULT_MAX_TOKENS}"
+        limits = Limits("max_tokens", limit, "prompt", note)
+        self._check_sampling(req, limits)
+        given = oa.completion_prompts(req)
+        prompts = []
+        for j, p in enumerate(given):
+            ids = p if isinstance(p, list) else await self._tokenize(limits, text=p)
+            self._check_ids(ids, limits, "prompt" if len(given) == 1 else f"prompt[{j}]")
+            prompts.append(ids)
         call = Call(
             "completion",
             req.model,
@@ -214,17 +279,18 @@ class OpenAIRoutes:
         gen = Generation(self.door, request.receive)
         with closing_on_error(gen):
             await gen.submit(call.reqs)
+            adapter = call.reqs[0].lora_path
             err = gen.first_error()
             if err is not None:
                 gen.close()
-                return _error_for(err)
+                return _error_for(err, adapter)
             if not call.stream:
                 results = await gen.results()
                 gen.close()
                 if results is None:
                     return disconnected_response()
                 if isinstance(results[0], ErrorOut):
-                    return _error_for(results[0])
+                    return _error_for(results[0], adapter)
                 return json_response(200, self._final(call, [r for r in results if isinstance(r, GenerateOut)]))
             first = await gen.updates()
             if first is None:
@@ -233,7 +299,7 @@ class OpenAIRoutes:
             errors = [m for _, m in first if isinstance(m, ErrorOut)]
             if errors:  # nothing was sent yet: a plain error response
                 gen.close()
-                return _error_for(errors[0])
+                return _error_for(errors[0], adapter)
 
         async def stream(send: Send) -> None:
             await self._stream(send, call, gen, first)

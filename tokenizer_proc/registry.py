@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from ipc.lora_config import LoraConfigError, never_loaded_message, read_adapter_config
+from ipc.lora_config import LoraConfigError, adapter_name_problem, never_loaded_message, read_adapter_config
 
 State = Literal["gone", "known", "loading", "loaded", "unloading"]
 Kind = Literal["load", "reload", "restore", "unload", "evict"]
@@ -111,7 +111,9 @@ class LoraRegistry:
         max_loaded: int = 0,
         max_slots: int = 0,
         tie_word_embeddings: bool | None = None,
+        served_model_name: str = "",
     ) -> None:
+        self.served_model_name = served_model_name  # no adapter may take the base model's id
         self.tied = tie_word_embeddings  # names the reason when an adapter targets lm_head / embed_tokens
         self.root = Path(lora_root).resolve() if lora_root else None
         self.max_lora_rank = max_lora_rank
@@ -162,10 +164,11 @@ class LoraRegistry:
         """Resolve ``path``; refuse it outside ``--lora-root`` or without a valid adapter config.
 
         Returns the resolved path and the adapter's largest rank. Raises AdapterRefused naming the adapter and
-        the problem.
+        the problem (a bad name: see :func:`~ipc.lora_config.adapter_name_problem`).
         """
-        if not name or "/" in name:
-            raise AdapterRefused(f"LoRA adapter name {name!r} must be non-empty and contain no '/'")
+        problem = adapter_name_problem(name, self.served_model_name)
+        if problem is not None:
+            raise AdapterRefused(problem)
         p = Path(path).expanduser().resolve()
         if self.root is not None and not p.is_relative_to(self.root):
             raise AdapterRefused(f"LoRA adapter {name}: path {path} is outside the allowed root {self.root}")
