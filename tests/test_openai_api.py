@@ -354,6 +354,28 @@ def test_metrics_move_by_a_known_workload(cluster: ClusterHandle, client: openai
     assert after[("loom_healthy", ())] == 1
 
 
+def test_prefix_cache_hits_are_reported_per_adapter(cluster: ClusterHandle, client: openai.OpenAI, base: str) -> None:
+    """The same 120-token prompt twice under one adapter: the second reuses all but its last token (usage and
+    native meta_info say so, the hit ratio moves, output is unchanged); under the other adapter nothing is reused."""
+    prompt = list(range(1000, 1120))
+    before = scrape(cluster)
+    kw = {"prompt": prompt, "temperature": 0, "max_tokens": 4}
+    first = client.completions.create(model="a", **kw)
+    again = client.completions.create(model="a", **kw)
+    other = client.completions.create(model="b", **kw)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert again.usage.prompt_tokens_details.cached_tokens == len(prompt) - 1
+    assert other.usage.prompt_tokens_details.cached_tokens == 0
+    assert again.choices[0].text == first.choices[0].text
+    body = {"input_ids": prompt, "lora_path": "a", "sampling_params": {"temperature": 0, "max_new_tokens": 4}}
+    status, out = native(cluster, "/generate", body)
+    assert status == 200 and out["meta_info"]["cached_tokens"] == len(prompt) - 1
+    after = scrape(cluster)
+    got = after[("loom_prompt_tokens_cached_total", ())] - before.get(("loom_prompt_tokens_cached_total", ()), 0.0)
+    assert got == 2 * (len(prompt) - 1)
+    assert 0 < after[("loom_prefix_cache_hit_ratio", ())] <= 1
+
+
 def test_health_is_503_while_a_worker_is_stopped(cluster: ClusterHandle) -> None:
     assert native(cluster, "/health") == (200, {"status": "ok"})
     pid = cluster.children["gpu_worker[0]"]

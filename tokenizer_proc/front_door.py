@@ -348,6 +348,7 @@ class FrontDoor:
         if item.finished:
             reason = "error" if item.error is not None else (item.finish_reason.type if item.finish_reason else "stop")
             self.metrics.request_finished(now - p.arrived, reason)
+            self.metrics.prefix_cache(item.prompt_tokens, item.cached_tokens)
 
     def _meta(self, p: Pending, item: TokenOut) -> MetaInfo:
         """The client's meta_info for ``item`` (cumulative logprobs when the request asked for them)."""
@@ -357,6 +358,7 @@ class FrontDoor:
             item.completion_tokens,
             item.finish_reason if item.finished else None,
             p.lora_name,
+            cached_tokens=item.cached_tokens,
         )
         if p.req.return_logprob and p.token_logprobs:
             meta.output_token_logprobs = list(p.token_logprobs)

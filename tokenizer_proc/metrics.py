@@ -21,6 +21,7 @@ from prometheus_client import (
     CONTENT_TYPE_LATEST,
     CollectorRegistry,
     Counter,
+    Gauge,
     Histogram,
     disable_created_metrics,
     generate_latest,
@@ -56,6 +57,19 @@ class Metrics:
         r = self.registry
         self.prompt_tokens = Counter("loom_prompt_tokens", "Prompt tokens of requests submitted", registry=r)
         self.generation_tokens = Counter("loom_generation_tokens", "Tokens generated and delivered", registry=r)
+        self.finished_prompt_tokens = Counter(
+            "loom_prompt_tokens_finished", "Prompt tokens of requests that ended (the hit ratio's base)", registry=r
+        )
+        self.cached_tokens = Counter(
+            "loom_prompt_tokens_cached", "Prompt tokens of ended requests read from the prefix cache", registry=r
+        )
+        self.hit_ratio = Gauge(
+            "loom_prefix_cache_hit_ratio",
+            "Prompt tokens served from the prefix cache / prompt tokens, over requests that ended",
+            registry=r,
+        )
+        self._prompt_total = self._cached_total = 0
+        self.hit_ratio.set_function(self._hit_ratio)
         self.ttft = Histogram(
             "loom_time_to_first_token_seconds",
             "From a request's arrival at the front door to its first generated token",
@@ -127,6 +141,16 @@ class Metrics:
         """A request sent to the scheduler ended: ``stop``, ``length``, ``abort`` or ``error``."""
         self.requests.labels(finish_reason).inc()
         self.e2e.labels(finish_reason).observe(e2e_s)
+
+    def prefix_cache(self, prompt_tokens: int, cached_tokens: int) -> None:
+        """A request ended: ``cached_tokens`` of its ``prompt_tokens`` came from the prefix cache."""
+        self.finished_prompt_tokens.inc(prompt_tokens)
+        self.cached_tokens.inc(cached_tokens)
+        self._prompt_total += prompt_tokens
+        self._cached_total += cached_tokens
+
+    def _hit_ratio(self) -> float:
+        return 0.0 if self._prompt_total == 0 else self._cached_total / self._prompt_total
 
     def lora_loaded(self, kind: str, seconds: float) -> None:
         """An adapter finished loading on every rank (``load``, ``reload`` or ``restore``)."""

@@ -326,17 +326,33 @@ def error_detail(status: int, message: str, param: str | None) -> ErrorResponse:
     return ErrorResponse(ErrorDetail(message, kind, param, code))
 
 
+class PromptTokensDetails(msgspec.Struct):
+    """How many prompt tokens came from Loom's prefix cache (OpenAI's ``usage.prompt_tokens_details``)."""
+
+    cached_tokens: int
+
+
 class Usage(msgspec.Struct):
     """Token counts of a response."""
 
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> Usage:
-    """A :class:`Usage` with its total."""
-    return Usage(prompt_tokens, completion_tokens, prompt_tokens + completion_tokens)
+def usage(prompt_tokens: int, completion_tokens: int, cached: list[tuple[int, int]] | None = None) -> Usage:
+    """A :class:`Usage` with its total.
+
+    ``cached`` holds each choice's ``(prompt tokens, cached prompt tokens)``; as ``prompt_tokens`` counts each
+    prompt once however many choices it has, the cached count is scaled the same way (the choices' mean).
+    """
+    details = None
+    if cached is not None:
+        seen = sum(p for p, _ in cached)
+        hit = sum(c for _, c in cached)
+        details = PromptTokensDetails(0 if seen == 0 else min(prompt_tokens, hit * prompt_tokens // seen))
+    return Usage(prompt_tokens, completion_tokens, prompt_tokens + completion_tokens, details)
 
 
 class TopLogprob(msgspec.Struct):

@@ -104,6 +104,8 @@ class Cursor:
     tokens: int = 0
     finished: bool = False
     completion_tokens: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
 
 
 class OpenAIRoutes:
@@ -309,7 +311,11 @@ class OpenAIRoutes:
     def _final(self, call: Call, outs: list[GenerateOut]) -> Any:
         rid = oa.new_id("chat" if call.kind == "chat" else "completion")
         created = int(time.time())
-        used = oa.usage(call.prompt_tokens, sum(o.meta_info.completion_tokens for o in outs))
+        used = oa.usage(
+            call.prompt_tokens,
+            sum(o.meta_info.completion_tokens for o in outs),
+            [(o.meta_info.prompt_tokens, o.meta_info.cached_tokens) for o in outs],
+        )
         if call.kind == "chat":
             choices = [
                 oa.ChatChoice(
@@ -365,7 +371,11 @@ class OpenAIRoutes:
                 return  # the client left: Generation.close aborts what still runs
             news = next_news
         if call.include_usage:
-            used = oa.usage(call.prompt_tokens, sum(c.completion_tokens for c in cursors))
+            used = oa.usage(
+                call.prompt_tokens,
+                sum(c.completion_tokens for c in cursors),
+                [(c.prompt_tokens, c.cached_tokens) for c in cursors],
+            )
             if call.kind == "chat":
                 await send_body(send, sse_event(oa.ChatCompletionChunk(rid, created, call.model, [], usage=used)))
             else:
@@ -408,4 +418,5 @@ class OpenAIRoutes:
         if msg.finished:
             cur.finished = True
             cur.completion_tokens = meta.completion_tokens
+            cur.prompt_tokens, cur.cached_tokens = meta.prompt_tokens, meta.cached_tokens
         return out
