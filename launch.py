@@ -33,6 +33,7 @@ import zmq
 
 from ipc.codec import Codec, WireError
 from ipc.config import DEFAULT_CHUNKED_PREFILL_SIZE, LoraSpec, ServerArgs, free_tcp_port, make_endpoints
+from ipc.lora_config import DEFAULT_SERVED_MODEL_NAME, adapter_name_problem
 from ipc.messages import (
     DrainCmd,
     Heartbeat,
@@ -168,6 +169,11 @@ def to_server_args(ns: argparse.Namespace) -> ServerArgs:
     rank, targets = infer_lora_defaults(ns) if ns.enable_lora else (ns.max_lora_rank or 64, ns.lora_target_modules)
     if ns.lora_paths and not ns.enable_lora:
         raise SystemExit("--lora-paths needs --enable-lora")
+    served = ns.served_model_name or ns.model_path or DEFAULT_SERVED_MODEL_NAME
+    for spec in ns.lora_paths or []:
+        problem = adapter_name_problem(spec.name, served)  # fail before any process starts
+        if problem:
+            raise SystemExit(f"--lora-paths: {problem}")
     return ServerArgs(
         model_path=str(model_dir),
         dtype=ns.dtype,
@@ -187,7 +193,7 @@ def to_server_args(ns: argparse.Namespace) -> ServerArgs:
         ready_timeout_s=ns.ready_timeout,
         http_port=ns.http_port,
         http_host=ns.host,
-        served_model_name=ns.served_model_name or ns.model_path or "SmolLM2-135M-Instruct",
+        served_model_name=served,
         shutdown_timeout_s=ns.shutdown_timeout,
         endpoints=make_endpoints(front=ns.zmq_endpoint),
         enable_lora=ns.enable_lora,
