@@ -2,6 +2,7 @@
 """Decode throughput of Loom vs transformers ``generate`` on the same prompts (one run, bf16 by default).
 
     python bench/serving.py [--dtype bfloat16] [--new-tokens 64] [--batch 32] [--repeats 3] [--tp-size 1]
+                            [--loom-args '--chunked-prefill-size 512']
 
 Throughput = generated tokens / wall time (prefill included, the same for both). Every request generates
 exactly ``--new-tokens`` tokens (Loom: ``ignore_eos``; transformers: ``min_new_tokens``). Prints a header (CPU
@@ -74,13 +75,14 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--tp-size", type=int, default=1)
+    p.add_argument("--loom-args", default="", help="extra launch.py flags, e.g. '--chunked-prefill-size 512'")
     a = p.parse_args()
     from ipc.model_source import resolve_model_path
 
     model_path = str(resolve_model_path(None))
     print(bench_header("bench/serving.py: Loom vs transformers decode tokens/s", dtype=a.dtype, tp_size=a.tp_size))
     prompts = chat_prompts(a.batch)
-    flags = ["--dtype", a.dtype, "--max-total-tokens", "16384", "--tp-size", str(a.tp_size)]
+    flags = ["--dtype", a.dtype, "--max-total-tokens", "16384", "--tp-size", str(a.tp_size), *a.loom_args.split()]
     with loom_cluster(*flags) as cluster:
         l1, lb = loom_runs(cluster.endpoint, prompts, a.new_tokens, a.repeats)
     h1, hb = hf_runs(model_path, a.dtype, prompts, a.new_tokens, a.repeats)
