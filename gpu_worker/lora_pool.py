@@ -21,6 +21,7 @@ import torch
 
 from gpu_worker.lora_cache import CacheKey, HostWeightCache
 from gpu_worker.lora_weights import module_dims, read_adapter, shard_range
+from gpu_worker.timing import best_time
 from gpu_worker.tp_plan import ShardPlan
 from ipc.config import ServerArgs
 from ipc.lora_config import LLAMA_LORA_MODULES, adapter_content_hash, read_adapter_config
@@ -384,8 +385,6 @@ def measure_slot_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
     """
     if device.type != "cpu" or dtype == torch.float32:
         return dtype
-    import time
-
     x = torch.randn(64, 576, dtype=dtype)
     a = torch.randn(8, 64, 576, dtype=dtype)
     b = torch.randn(8, 576, 32, dtype=dtype)
@@ -394,16 +393,7 @@ def measure_slot_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
         u = torch.bmm(xx.to(aa.dtype).view(8, 8, 576), aa.transpose(1, 2))
         return torch.bmm(u[:, :, :32], bb.transpose(1, 2)).view(64, 576).to(dtype)
 
-    def best(fn) -> float:
-        fn()
-        times = []
-        for _ in range(15):
-            t = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t)
-        return min(times)
-
     af, bf = a.float(), b.float()
-    native = best(lambda: apply(x, a, b))
-    upcast = best(lambda: apply(x, af, bf))
+    native = best_time(lambda: apply(x, a, b), 15)
+    upcast = best_time(lambda: apply(x, af, bf), 15)
     return torch.float32 if upcast < 0.7 * native else dtype

@@ -16,6 +16,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from gpu_worker.kv_cache import KVCache
+from gpu_worker.timing import best_time
 from gpu_worker.tp_plan import ShardPlan
 from ipc.model_config import ModelConfig
 
@@ -99,22 +100,11 @@ def _bf16_upcast_threshold(sample: torch.Tensor) -> int:
     never = 1 << 62
     if sample.device.type != "cpu" or sample.dtype != torch.bfloat16:
         return never
-    import time
-
     w = torch.randn(1024, 576, dtype=torch.bfloat16)
     x = torch.randn(32, 576, dtype=torch.bfloat16)
 
-    def best(fn) -> float:
-        fn()
-        times = []
-        for _ in range(5):
-            t = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t)
-        return min(times)
-
-    native = best(lambda: x @ w.T)
-    upcast = best(lambda: (x.float() @ w.float().T).to(torch.bfloat16))
+    native = best_time(lambda: x @ w.T, 5)
+    upcast = best_time(lambda: (x.float() @ w.float().T).to(torch.bfloat16), 5)
     return 8 if upcast < 0.7 * native else never
 
 

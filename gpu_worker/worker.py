@@ -208,23 +208,16 @@ class Worker:
     def forward_logits(self, fb: ForwardBatch) -> torch.Tensor:
         """Run the plan and return last-token logits ``[B, vocab]`` fp32 in plan order (also used by tests).
 
-        With LoRA, the requests run grouped by adapter uid (a stable sort, identical on every rank), so each
-        adapter's tokens form one segment and the LoRA apply costs a few GEMMs per adapter, not per request.
+        The scheduler orders each plan by adapter, so each adapter's tokens form one segment; a plan that is
+        not ordered is still exact (:class:`~gpu_worker.lora_pool.LoraBatch` gathers a slot's tokens).
         """
-        if self.lora is None:
-            if any(r.lora_uid is not None for r in fb.reqs):
-                raise WorkerError("a request names a LoRA adapter but LoRA is not enabled (--enable-lora)")
-            return self.model.forward(self.build_inputs(fb), self.kv, None)
-        order = sorted(range(len(fb.reqs)), key=lambda i: (fb.reqs[i].lora_uid is not None, fb.reqs[i].lora_uid or ""))
-        grouped = fb if order == list(range(len(order))) else ForwardBatch(fb.step, [fb.reqs[i] for i in order])
-        s = self.build_inputs(grouped)
-        applier = self.lora.prepare([r.lora_uid for r in grouped.reqs], s.ext_lens)
-        logits = self.model.forward(s, self.kv, applier)
-        if grouped is fb:
-            return logits
-        inverse = torch.empty(len(order), dtype=torch.int64, device=logits.device)
-        inverse[torch.tensor(order, device=logits.device)] = torch.arange(len(order), device=logits.device)
-        return logits[inverse]
+        s = self.build_inputs(fb)
+        applier = None
+        if self.lora is not None:
+            applier = self.lora.prepare([r.lora_uid for r in fb.reqs], s.ext_lens)
+        elif any(r.lora_uid is not None for r in fb.reqs):
+            raise WorkerError("a request names a LoRA adapter but LoRA is not enabled (--enable-lora)")
+        return self.model.forward(s, self.kv, applier)
 
     def step(self, fb: ForwardBatch) -> StepResult:
         """Run one step; rank 0 samples one token per request (other ranks return no tokens)."""
