@@ -76,7 +76,19 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description="Start a Loom serving cluster.")
     a = p.add_argument
     a("--model-path", default=None, help="HF checkpoint folder or .gguf file (default: embedded SmolLM2-135M-Instruct)")
-    a("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    a(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="activation dtype (auto: the checkpoint's; bfloat16 with --quantization int8/gguf)",
+    )
+    a(
+        "--quantization",
+        default="none",
+        choices=["none", "int8", "gguf"],
+        help="weight-only quantisation: int8 (per-row, made at load from any checkpoint) or gguf (the GGUF's own "
+        "Q4_0/Q4_1/Q8_0 blocks, for a .gguf --model-path)",
+    )
     a("--device", default="auto", choices=["auto", "cpu", "cuda"])
     a("--tp-size", type=int, default=1, help="tensor-parallel ranks (one gpu_worker process each)")
     a("--max-running-requests", type=int, default=64)
@@ -177,6 +189,7 @@ def to_server_args(ns: argparse.Namespace) -> ServerArgs:
     return ServerArgs(
         model_path=str(model_dir),
         dtype=ns.dtype,
+        quantization=ns.quantization,
         device=ns.device,
         tp_size=ns.tp_size,
         max_running_requests=ns.max_running_requests,

@@ -8,8 +8,28 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from gpu_worker.gguf_weights import gguf_source, load_gguf_shard
+from gpu_worker.quant import Int8Linear, check_device, quantize_int8_rows
 from gpu_worker.tp_plan import ShardPlan
 from ipc.model_config import ModelConfig
+
+
+def release_freed_memory() -> None:
+    """Hand the C heap's free pages back to the OS (glibc ``malloc_trim``; a no-op elsewhere).
+
+    Loading frees many large temporaries (fp32 reads, decoded blocks); glibc keeps such memory mapped, so
+    without this a worker's resident size would count weights it no longer holds.
+    """
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    if not name:
+        return
+    try:
+        ctypes.CDLL(name).malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
 
 
 class CheckpointError(RuntimeError):
@@ -45,8 +65,19 @@ class _Shards:
         return sl[:]
 
 
-def load_shard(model_dir: str | Path, cfg: ModelConfig, plan: ShardPlan, dtype: torch.dtype, device: torch.device):
+def load_shard(
+    model_dir: str | Path,
+    cfg: ModelConfig,
+    plan: ShardPlan,
+    dtype: torch.dtype,
+    device: torch.device,
+    quantization: str = "none",
+):
     """Return this rank's weights as a dict of tensors in ``dtype`` on ``device``.
+
+    ``quantization`` ``"int8"`` stores every linear layer and the embedding as ``Int8Linear`` (symmetric int8,
+    one scale per output row, quantised from the full row before the TP split, so every TP size computes the
+    same products); ``"gguf"`` reads the GGUF the folder was converted from (``gguf_weights.load_gguf_shard``).
 
     Column-parallel layers (q/k/v fused as ``qkv``, gate/up fused as ``gate_up``) keep the output rows this
     rank owns; row-parallel layers (o, down) keep the input columns. Embeddings, norms and the LM head are
@@ -57,6 +88,12 @@ def load_shard(model_dir: str | Path, cfg: ModelConfig, plan: ShardPlan, dtype: 
     Raises:
         CheckpointError: a missing tensor or a shape that disagrees with config.json.
     """
+    if quantization not in ("none", "int8", "gguf"):
+        raise ValueError(f"--quantization {quantization!r}: choose none, int8 or gguf")
+    if quantization != "none":
+        check_device(device)
+    if quantization == "gguf":
+        return load_gguf_shard(gguf_source(model_dir), cfg, plan, dtype, device)
     src = _Shards(Path(model_dir))
     h, d, hq, hkv = cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
     q_rows = (plan.q_heads[0] * d, plan.q_heads[1] * d)
@@ -66,9 +103,24 @@ def load_shard(model_dir: str | Path, cfg: ModelConfig, plan: ShardPlan, dtype: 
         # copy=True: never keep a view of the mmapped file (rewriting it would corrupt or SIGBUS a running server)
         return t.to(device=device, dtype=dtype, copy=True).contiguous()
 
+    int8 = quantization == "int8"
+
+    def whole(name: str, shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        return quantize_int8_rows(src.slice(name, shape))
+
+    def linear(parts: list[tuple[torch.Tensor, torch.Tensor]], cols: tuple[int, int] | None = None):
+        q = torch.cat([p[0] for p in parts])
+        s = torch.cat([p[1] for p in parts])
+        if cols is not None:
+            q = q[:, cols[0] : cols[1]]
+        return Int8Linear(q.contiguous(), s)
+
     layers = []
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
+        if int8:
+            layers.append(_int8_layer(src, cfg, plan, p, put, whole, linear))
+            continue
         q = src.slice(p + "self_attn.q_proj.weight", (hq * d, h), rows=q_rows)
         k = src.slice(p + "self_attn.k_proj.weight", (hkv * d, h), rows=kv_rows)
         v = src.slice(p + "self_attn.v_proj.weight", (hkv * d, h), rows=kv_rows)
@@ -84,9 +136,44 @@ def load_shard(model_dir: str | Path, cfg: ModelConfig, plan: ShardPlan, dtype: 
                 "down": put(src.slice(p + "mlp.down_proj.weight", (h, cfg.intermediate_size), cols=plan.ffn)),
             }
         )
+    if int8:
+        embed = linear([whole("model.embed_tokens.weight", (cfg.vocab_size, h))])
+        head = embed if cfg.tie_word_embeddings else linear([whole("lm_head.weight", (cfg.vocab_size, h))])
+        return {"layers": layers, "embed": embed, "norm": put(src.slice("model.norm.weight", (h,))), "lm_head": head}
     embed = put(src.slice("model.embed_tokens.weight", (cfg.vocab_size, h)))
     if cfg.tie_word_embeddings:
         lm_head = embed
     else:
         lm_head = put(src.slice("lm_head.weight", (cfg.vocab_size, h)))
     return {"layers": layers, "embed": embed, "norm": put(src.slice("model.norm.weight", (h,))), "lm_head": lm_head}
+
+
+def _int8_layer(src: _Shards, cfg: ModelConfig, plan: ShardPlan, p: str, put, whole, linear) -> dict:
+    """One layer's int8 weights: whole tensors quantised per output row, then cut for this rank."""
+    h, d, hq, hkv = cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
+    q_rows = (plan.q_heads[0] * d, plan.q_heads[1] * d)
+    kv_rows = (plan.kv_heads[0] * d, plan.kv_heads[1] * d)
+
+    def rows(qs: tuple[torch.Tensor, torch.Tensor], r: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+        return qs[0][r[0] : r[1]], qs[1][r[0] : r[1]]
+
+    ffn = (cfg.intermediate_size, h)
+    return {
+        "input_norm": put(src.slice(p + "input_layernorm.weight", (h,))),
+        "post_norm": put(src.slice(p + "post_attention_layernorm.weight", (h,))),
+        "qkv": linear(
+            [
+                rows(whole(p + "self_attn.q_proj.weight", (hq * d, h)), q_rows),
+                rows(whole(p + "self_attn.k_proj.weight", (hkv * d, h)), kv_rows),
+                rows(whole(p + "self_attn.v_proj.weight", (hkv * d, h)), kv_rows),
+            ]
+        ),
+        "o": linear([whole(p + "self_attn.o_proj.weight", (h, hq * d))], cols=q_rows),
+        "gate_up": linear(
+            [
+                rows(whole(p + "mlp.gate_proj.weight", ffn), plan.ffn),
+                rows(whole(p + "mlp.up_proj.weight", ffn), plan.ffn),
+            ]
+        ),
+        "down": linear([whole(p + "mlp.down_proj.weight", (h, cfg.intermediate_size))], cols=plan.ffn),
+    }

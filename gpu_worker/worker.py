@@ -16,7 +16,7 @@ from gpu_worker.logprobs import row_logprobs
 from gpu_worker.model import DecodeGroup, LlamaShard, StepInputs
 from gpu_worker.sampling import sample_rows
 from gpu_worker.tp_plan import make_shard_plan
-from gpu_worker.weights import load_shard
+from gpu_worker.weights import load_shard, release_freed_memory
 from ipc.config import ServerArgs
 from ipc.messages import (
     ForwardBatch,
@@ -40,8 +40,9 @@ def pick_device(requested: str = "auto", rank: int = 0) -> torch.device:
     return torch.device("cuda", rank % max(torch.cuda.device_count(), 1))
 
 
-def resolve_dtype(requested: str, model_path: str, device: torch.device) -> torch.dtype:
-    """``auto`` takes the checkpoint's dtype (float16 becomes float32 on CPU); otherwise the named dtype.
+def resolve_dtype(requested: str, model_path: str, device: torch.device, quantization: str = "none") -> torch.dtype:
+    """``auto`` takes the checkpoint's dtype (float16 becomes float32 on CPU), or bfloat16 for quantised weights
+    (the CPU weight-only kernels take bf16 inputs); otherwise the named dtype.
 
     Raises:
         ValueError: an unknown dtype name.
@@ -50,6 +51,8 @@ def resolve_dtype(requested: str, model_path: str, device: torch.device) -> torc
         if requested not in _DTYPES:
             raise ValueError(f"--dtype {requested!r}: choose auto, float32, bfloat16 or float16")
         return _DTYPES[requested]
+    if quantization != "none":
+        return torch.bfloat16
     cfg = json.loads((Path(model_path) / "config.json").read_text())
     name = cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
     dt = _DTYPES.get(str(name), torch.float32)
@@ -88,9 +91,10 @@ class Worker:
         self.plan = make_shard_plan(
             self.cfg.num_heads, self.cfg.num_kv_heads, self.cfg.intermediate_size, args.tp_size, rank
         )
-        self.dtype = resolve_dtype(args.dtype, args.model_path, self.device)
-        weights = load_shard(args.model_path, self.cfg, self.plan, self.dtype, self.device)
+        self.dtype = resolve_dtype(args.dtype, args.model_path, self.device, args.quantization)
+        weights = load_shard(args.model_path, self.cfg, self.plan, self.dtype, self.device, args.quantization)
         self.model = LlamaShard(self.cfg, self.plan, weights, group)
+        release_freed_memory()
         self.context_len = args.context_length or self.cfg.max_position_embeddings
         cap = kv_capacity_tokens(args, self.cfg, self.plan.num_kv_heads, self.dtype, self.device)
         self.kv = KVCache(
@@ -202,7 +206,8 @@ class Worker:
                 lt = torch.tensor(lens, device=dev)
                 mask = (torch.arange(lmax, device=dev)[None, :] < lt[:, None])[:, None, None, :]
             index = torch.tensor([tok[i] for i in g], dtype=torch.int64, device=dev)
-            out.append(DecodeGroup(index, kv_slots, lmax, mask))
+            every = len(groups) == 1 and len(g) == len(fb.reqs) and [tok[i] for i in g] == list(range(len(g)))
+            out.append(DecodeGroup(index, kv_slots, lmax, mask, every))
         return out
 
     def forward_logits(self, fb: ForwardBatch) -> torch.Tensor:

@@ -187,7 +187,8 @@ def make_args(model_path: Path, **kw):
     kw.setdefault("max_total_tokens", 2048)
     kw.setdefault("max_running_requests", 16)
     kw.setdefault("context_length", 2048)
-    return ServerArgs(model_path=str(model_path), dtype="float32", device="cpu", endpoints=eps, **kw)
+    kw.setdefault("dtype", "float32")
+    return ServerArgs(model_path=str(model_path), device="cpu", endpoints=eps, **kw)
 
 
 def run_engine(worker, scheduler, arrivals: dict[int, list], max_steps: int = 10_000) -> dict[str, list]:
@@ -273,7 +274,15 @@ def teacher_forced_logits(worker, prompts_ids: list[list[int]], forced: list[lis
 
 
 def _tp_rank_main(
-    rank: int, world: int, init_method: str, model_path: str, prompts_ids: list, forced: list, steps, out_file: str
+    rank: int,
+    world: int,
+    init_method: str,
+    model_path: str,
+    prompts_ids: list,
+    forced: list,
+    steps,
+    out_file: str,
+    args_kw: dict | None = None,
 ) -> None:
     """One TP rank for :func:`tp_prefill_logits` (a ``torch.multiprocessing.spawn`` target)."""
     from datetime import timedelta
@@ -289,7 +298,8 @@ def _tp_rank_main(
     )
     reducer = None
     try:
-        w = Worker(make_args(Path(model_path), tp_size=world), rank, dist.group.WORLD, torch.device("cpu"))
+        kw = {"tp_size": world, **(args_kw or {})}
+        w = Worker(make_args(Path(model_path), **kw), rank, dist.group.WORLD, torch.device("cpu"))
         from gpu_worker.main import setup_cpu_all_reduce
 
         reducer = setup_cpu_all_reduce(w, dist.group.WORLD, 1)  # the shm all-reduce clusters use on CPU
@@ -303,8 +313,12 @@ def _tp_rank_main(
         dist.destroy_process_group()
 
 
-def tp_logits(model_path: Path, prompts_ids: list[list[int]], forced: list, steps, world: int, out_dir: Path) -> dict:
+def tp_logits(
+    model_path: Path, prompts_ids: list[list[int]], forced: list, steps, world: int, out_dir: Path, **args_kw
+) -> dict:
     """Logits from ``world`` real gloo ranks, each a ``Worker`` running ``forward_logits`` on its shard.
+
+    ``args_kw`` go to every rank's ``make_args`` (e.g. ``quantization="gguf"``).
 
     Returns rank 0's ``{"solo": [P, V] prefill logits one prompt per batch, "steps": teacher_forced_logits(...)}``.
     """
@@ -317,7 +331,7 @@ def tp_logits(model_path: Path, prompts_ids: list[list[int]], forced: list, step
     init = f"tcp://127.0.0.1:{free_tcp_port()}"
     mp.spawn(
         _tp_rank_main,
-        args=(world, init, str(model_path), prompts_ids, forced, tuple(steps), out_file),
+        args=(world, init, str(model_path), prompts_ids, forced, tuple(steps), out_file, args_kw),
         nprocs=world,
         join=True,
     )
