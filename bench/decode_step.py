@@ -59,7 +59,8 @@ def main() -> None:
     total = sum(lens) + a.batch * (a.steps + 2)
     eps = Endpoints(front="inproc://f", to_scheduler="", to_tokenizer="", workers="", control="", dist_init="")
     args = ServerArgs(
-        model_path=model_path, dtype=a.dtype, quantization=a.quantization, device="cpu", endpoints=eps, max_total_tokens=total,
+        model_path=model_path, dtype=a.dtype, quantization=a.quantization, device="cpu", endpoints=eps,
+        max_total_tokens=total,
         max_running_requests=a.batch, context_length=max(lens) + a.steps + 2, enable_lora=a.lora > 0,
         max_loras_per_batch=max(a.lora, 1), max_lora_rank=64,
     )  # fmt: skip
