@@ -84,10 +84,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     a(
         "--quantization",
-        default="none",
-        choices=["none", "int8", "gguf"],
+        default="auto",
+        choices=["auto", "none", "int8", "gguf"],
         help="weight-only quantisation: int8 (per-row, made at load from any checkpoint) or gguf (the GGUF's own "
-        "Q4_0/Q4_1/Q8_0 blocks, for a .gguf --model-path)",
+        "Q4_0/Q4_1/Q8_0 blocks, for a .gguf --model-path); auto: gguf for a GGUF model on CPU, else none",
     )
     a("--device", default="auto", choices=["auto", "cpu", "cuda"])
     a("--tp-size", type=int, default=1, help="tensor-parallel ranks (one gpu_worker process each)")

@@ -101,6 +101,7 @@ def main() -> None:
             name,
             device=str(device),
             dtype=str(worker.dtype),
+            quantization=worker.quantization,
             epoch=ns.epoch,
             kv_tokens=worker.kv.num_slots,
             q_heads=list(worker.plan.q_heads),

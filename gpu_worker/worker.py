@@ -28,6 +28,7 @@ from ipc.messages import (
     WorkerReady,
 )
 from ipc.model_config import ModelConfig, load_model_config
+from ipc.model_source import effective_quantization
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 CPU_DEFAULT_MAX_TOKENS = 32768
@@ -91,8 +92,9 @@ class Worker:
         self.plan = make_shard_plan(
             self.cfg.num_heads, self.cfg.num_kv_heads, self.cfg.intermediate_size, args.tp_size, rank
         )
-        self.dtype = resolve_dtype(args.dtype, args.model_path, self.device, args.quantization)
-        weights = load_shard(args.model_path, self.cfg, self.plan, self.dtype, self.device, args.quantization)
+        self.quantization = effective_quantization(args.quantization, args.model_path, self.device.type)
+        self.dtype = resolve_dtype(args.dtype, args.model_path, self.device, self.quantization)
+        weights = load_shard(args.model_path, self.cfg, self.plan, self.dtype, self.device, self.quantization)
         self.model = LlamaShard(self.cfg, self.plan, weights, group)
         release_freed_memory()
         self.context_len = args.context_length or self.cfg.max_position_embeddings

@@ -41,7 +41,7 @@ class ServerArgs(msgspec.Struct, frozen=True, kw_only=True):
 
     model_path: str  # resolved checkpoint folder
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
-    quantization: str = "none"  # none | int8 | gguf (weight-only; see gpu_worker/quant.py)
+    quantization: str = "none"  # auto | none | int8 | gguf (weight-only; launch.py's default is auto)
     device: str = "auto"  # auto | cpu | cuda
     tp_size: int = 1
     max_running_requests: int = 64

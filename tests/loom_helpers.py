@@ -449,6 +449,13 @@ def _launcher_preexec() -> None:
     set_parent_death_signal()
 
 
+def _fp32_unless_asked(flags) -> list[str]:
+    """``flags`` plus ``--quantization none`` unless they choose one: the tests' references are fp32 (launch.py's
+    default, ``auto``, serves the embedded GGUF's own 4-bit blocks with bf16 activations)."""
+    flags = list(flags)
+    return flags if any(f.startswith("--quantization") for f in flags) else [*flags, "--quantization", "none"]
+
+
 @contextlib.contextmanager
 def launch_cluster(tmp_path: Path, *flags: str, ready_timeout_s: float = READY_TIMEOUT_S) -> Iterator[ClusterHandle]:
     """Start ``python launch.py --zmq-endpoint ipc://TMP/front.sock *flags`` and wait for "Loom ready:".
@@ -462,7 +469,7 @@ def launch_cluster(tmp_path: Path, *flags: str, ready_timeout_s: float = READY_T
     endpoint = f"ipc://{tmp_path}/front.sock"
     log_path = tmp_path / "launch.log"
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    cmd = [sys.executable, str(REPO / "launch.py"), "--zmq-endpoint", endpoint, *flags]
+    cmd = [sys.executable, str(REPO / "launch.py"), "--zmq-endpoint", endpoint, *_fp32_unless_asked(flags)]
     with open(log_path, "wb") as logf:
         proc = subprocess.Popen(
             cmd, cwd=str(REPO), stdout=logf, stderr=subprocess.STDOUT, env=env, preexec_fn=_launcher_preexec

@@ -397,6 +397,8 @@ def launch_cluster(
     env = dict(os.environ)
     env.update(env_extra or {})
     cmd = [sys.executable, str(REPO / "launch.py"), "--max-total-tokens", "4096", "--zmq-endpoint", endpoint]
+    if not any(a.startswith("--quantization") for a in extra_args):
+        cmd += ["--quantization", "none"]  # the references are fp32; launch.py's default serves 4-bit blocks
     cmd += ["--log-level", "warning", *extra_args]
     with open(log, "wb") as out:
         proc = subprocess.Popen(

@@ -33,7 +33,17 @@ def test_drill_tp2_ten_rounds_every_request_exact(tmp_path):
     cmd = [sys.executable, str(DRILL), "--rounds", "10", "--json"]
     cmd += ["--targets", "gpu_worker[0],gpu_worker[1]", "--phases", ",".join(PHASES)]
     cmd += ["--signals", "KILL*6,STOP,KILL*3", "--new-tokens", "8", "--log", str(log), "--"]
-    cmd += ["--tp-size", "2", "--max-total-tokens", "2048", "--step-timeout", "3", "--enable-lora"]
+    cmd += [
+        "--tp-size",
+        "2",
+        "--max-total-tokens",
+        "2048",
+        "--step-timeout",
+        "3",
+        "--enable-lora",
+        "--quantization",
+        "none",
+    ]
     cmd += ["--lora-paths", f"a={ad['r8-all']}", f"b={ad['r32-qv']}"]
     p = subprocess.run(cmd, cwd=str(REPO), capture_output=True, text=True, timeout=400, env=env())
     assert p.returncode == 0, f"{p.stderr[-6000:]}\n{log.read_text()[-4000:] if log.exists() else ''}"
@@ -99,7 +109,7 @@ def test_drill_tp1_services_and_launcher(tmp_path):
     cmd = [sys.executable, str(DRILL), "--rounds", "6", "--json", "--subreaper", "--new-tokens", "6"]
     cmd += ["--targets", "scheduler_proc,tokenizer_proc,launcher", "--phases", "decode,prefill"]
     cmd += ["--signals", "STOP,KILL,STOP,KILL,KILL,KILL", "--log", str(log), "--"]
-    cmd += ["--max-total-tokens", "1024", "--hang-timeout", str(HANG_TIMEOUT_S)]
+    cmd += ["--max-total-tokens", "1024", "--hang-timeout", str(HANG_TIMEOUT_S), "--quantization", "none"]
     p = subprocess.run(cmd, cwd=str(REPO), capture_output=True, text=True, timeout=220, env=env())
     assert p.returncode == 0, f"{p.stderr[-6000:]}\n{log.read_text()[-4000:] if log.exists() else ''}"
     doc = json.loads(p.stdout)
