@@ -68,6 +68,7 @@ class StepInputs:
     decode_rows: list[int]
     decode_groups: list[DecodeGroup]
     last_token_index: torch.Tensor  # [B] offset of each request's last token
+    every_token_last: bool = False  # T == B (a pure decode step): logits for every row, no gather
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -88,10 +89,9 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm computed in fp32, cast back, then scaled (same order as HF Llama)."""
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return w * xf.to(x.dtype)
+    """RMSNorm computed in fp32, cast back, then scaled (same order as HF Llama; ``F.rms_norm`` without a weight
+    is the fp32 part in one call)."""
+    return w * F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype)
 
 
 def _bf16_upcast_threshold(sample: torch.Tensor) -> int:
@@ -236,6 +236,6 @@ class LlamaShard:
             if lora is not None:
                 lora.add(i, "down", m, dn)
             x = x + self._all_reduce(dn)
-        last = x[s.last_token_index]
+        last = x if s.every_token_last else x[s.last_token_index]
         last = rms_norm(last, w["norm"], cfg.rms_norm_eps)
         return self._mm(last, w["lm_head"]).float()

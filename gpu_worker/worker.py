@@ -175,6 +175,7 @@ class Worker:
             decode_rows=decode_rows,
             decode_groups=groups,
             last_token_index=torch.tensor(last, dtype=torch.int64, device=dev),
+            every_token_last=len(ids) == len(fb.reqs),
         )
 
     def _decode_groups(self, fb: ForwardBatch, rows: list[int], tok: list[int]) -> list[DecodeGroup]:
