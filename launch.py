@@ -45,7 +45,7 @@ from ipc.messages import (
     WorkersRestarting,
 )
 from ipc.model_config import UnsupportedModelError, load_model_config
-from ipc.model_source import ModelSourceError, resolve_model_path
+from ipc.model_source import ModelSourceError, gguf_source, resolve_model_path
 from ipc.proc import STOP_MARKER
 from ipc.sockets import CONTROL_CODEC, make_socket
 
@@ -175,6 +175,8 @@ def infer_lora_defaults(ns: argparse.Namespace) -> tuple[int, list[str]]:
 def to_server_args(ns: argparse.Namespace) -> ServerArgs:
     """Resolve the model (converting a GGUF once) and build the config tree every process gets."""
     model_dir = resolve_model_path(ns.model_path)
+    if ns.quantization == "gguf":
+        gguf_source(model_dir)  # a checkpoint not converted from a GGUF fails here, before any process starts
     load_model_config(model_dir)  # unsupported configs fail here, before any process starts
     if ns.zmq_endpoint.startswith("ipc://"):
         check_front_free(ns.zmq_endpoint)

@@ -10,7 +10,6 @@ unquantised matrices) load as dense tensors. The layout of the returned dict is 
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,24 +32,6 @@ from ipc.model_config import ModelConfig
 
 _DENSE = ("F32", "F16", "BF16")
 _BLOCKS = ("Q4_0", "Q4_1", "Q8_0")
-
-
-def gguf_source(model_dir: str | Path) -> Path:
-    """The GGUF file a converted checkpoint folder came from (its ``loom_source.json``).
-
-    Raises:
-        QuantizationError: the folder was not converted from a GGUF, or that file is gone.
-    """
-    src = Path(model_dir) / "loom_source.json"
-    if not src.is_file():
-        raise QuantizationError(
-            f"--quantization gguf serves a GGUF file's own blocks, but {model_dir} was not converted from a GGUF "
-            "(no loom_source.json): pass --model-path FILE.gguf, or use --quantization int8 for this checkpoint"
-        )
-    path = Path(json.loads(src.read_text())["gguf"])
-    if not path.is_file():
-        raise QuantizationError(f"--quantization gguf: the source file {path} of {model_dir} no longer exists")
-    return path
 
 
 @dataclass

@@ -8,10 +8,11 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from gpu_worker.gguf_weights import gguf_source, load_gguf_shard
+from gpu_worker.gguf_weights import load_gguf_shard
 from gpu_worker.quant import Int8Linear, check_device, quantize_int8_rows
 from gpu_worker.tp_plan import ShardPlan
 from ipc.model_config import ModelConfig
+from ipc.model_source import gguf_source
 
 
 def release_freed_memory() -> None:

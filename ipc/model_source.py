@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import json
 import os
 from pathlib import Path
 
@@ -121,6 +122,24 @@ def convert_gguf(gguf: Path, out_dir: Path) -> None:
 
 
 QUANTIZATIONS = ("auto", "none", "int8", "gguf")
+
+
+def gguf_source(model_dir: str | Path) -> Path:
+    """The GGUF file a converted checkpoint folder came from (its ``loom_source.json``), for ``--quantization gguf``.
+
+    Raises:
+        ModelSourceError: the folder was not converted from a GGUF, or that file is gone.
+    """
+    src = Path(model_dir) / "loom_source.json"
+    if not src.is_file():
+        raise ModelSourceError(
+            f"--quantization gguf serves a GGUF file's own blocks, but {model_dir} was not converted from a GGUF "
+            "(no loom_source.json): pass --model-path FILE.gguf, or use --quantization int8 for this checkpoint"
+        )
+    path = Path(json.loads(src.read_text())["gguf"])
+    if not path.is_file():
+        raise ModelSourceError(f"--quantization gguf: the source file {path} of {model_dir} no longer exists")
+    return path
 
 
 def effective_quantization(requested: str, model_dir: str | Path, device_type: str) -> str:

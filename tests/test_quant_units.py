@@ -9,7 +9,7 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
-from gpu_worker.gguf_weights import _Part, gguf_source
+from gpu_worker.gguf_weights import _Part
 from gpu_worker.quant import (
     Int8Linear,
     QuantizationError,
@@ -19,6 +19,7 @@ from gpu_worker.quant import (
     int4_from_q8,
     quantize_int8_rows,
 )
+from ipc.model_source import ModelSourceError, gguf_source
 
 
 def _bf16_exact(t: torch.Tensor) -> torch.Tensor:
@@ -97,8 +98,8 @@ def test_tp_split_through_a_block_is_refused_by_name():
 
 
 def test_gguf_mode_needs_a_gguf_source(tmp_path):
-    with pytest.raises(QuantizationError, match="not converted from a GGUF.*--quantization int8"):
+    with pytest.raises(ModelSourceError, match="not converted from a GGUF.*--quantization int8"):
         gguf_source(tmp_path)
     (tmp_path / "loom_source.json").write_text('{"gguf": "/nonexistent/model.gguf"}')
-    with pytest.raises(QuantizationError, match="no longer exists"):
+    with pytest.raises(ModelSourceError, match="no longer exists"):
         gguf_source(tmp_path)
