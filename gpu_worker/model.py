@@ -8,7 +8,7 @@ all-reduce each (Megatron-LM). LoRA deltas enter through :class:`LoraApplier` (N
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
 import torch
@@ -50,6 +50,21 @@ class DecodeGroup:
 
 
 @dataclass
+class PrefillRow:
+    """A row attended on its own: ``new_tokens`` queries at token ``offset`` of the step.
+
+    ``kv_slots`` ``[prefix + new]`` int64 and ``mask`` ``[1, 1, new, prefix + new]`` bool (causal past the prefix)
+    when the row has a cached prefix; both None for a whole prompt (causal SDPA over the new tokens). Made once
+    per step, not per layer.
+    """
+
+    offset: int
+    new_tokens: int
+    kv_slots: torch.Tensor | None
+    mask: torch.Tensor | None
+
+
+@dataclass
 class StepInputs:
     """Tensors for one forward step (``T`` packed tokens, ``B`` requests in plan order).
 
@@ -68,6 +83,7 @@ class StepInputs:
     decode_rows: list[int]
     decode_groups: list[DecodeGroup]
     last_token_index: torch.Tensor  # [B] offset of each request's last token
+    prefill_rows: list[PrefillRow] = field(default_factory=list)  # every row that is not in a decode group
     every_token_last: bool = False  # T == B (a pure decode step): logits for every row, no gather
 
 
@@ -164,29 +180,24 @@ class LlamaShard:
         out = torch.empty_like(q)
         kc, vc = kv.k[layer], kv.v[layer]
         scale = 1.0 / math.sqrt(self.d)
-        offset = 0
-        decode = set(s.decode_rows)
-        for b, (pre, ext) in enumerate(zip(s.prefix_lens, s.ext_lens, strict=True)):
-            if b not in decode:
-                qb = q[offset : offset + ext].transpose(0, 1)  # [nq, ext, d]
-                if pre == 0:
-                    kb, vb = k[offset : offset + ext], v[offset : offset + ext]
-                    mask = None
-                else:
-                    slots = kv.req_to_token[s.req_idx[b], : pre + ext]
-                    kb, vb = kc.index_select(0, slots), vc.index_select(0, slots)
-                    mask = torch.ones(ext, pre + ext, dtype=torch.bool, device=q.device).tril(pre)
-                ob = F.scaled_dot_product_attention(
-                    qb[None],
-                    kb.transpose(0, 1)[None],
-                    vb.transpose(0, 1)[None],
-                    attn_mask=None if mask is None else mask[None, None],
-                    is_causal=mask is None,
-                    scale=scale,
-                    enable_gqa=True,
-                )
-                out[offset : offset + ext] = ob[0].transpose(0, 1)
-            offset += ext
+        for r in s.prefill_rows:
+            offset, ext = r.offset, r.new_tokens
+            qb = q[offset : offset + ext].transpose(0, 1)  # [nq, ext, d]
+            mask = r.mask
+            if r.kv_slots is None:
+                kb, vb = k[offset : offset + ext], v[offset : offset + ext]
+            else:
+                kb, vb = kc.index_select(0, r.kv_slots), vc.index_select(0, r.kv_slots)
+            ob = F.scaled_dot_product_attention(
+                qb[None],
+                kb.transpose(0, 1)[None],
+                vb.transpose(0, 1)[None],
+                attn_mask=mask,
+                is_causal=mask is None,
+                scale=scale,
+                enable_gqa=True,
+            )
+            out[offset : offset + ext] = ob[0].transpose(0, 1)
         for g in s.decode_groups:
             # index_select copies whole [nkv, d] rows; advanced indexing (kc[table]) is several times slower
             n = g.token_index.shape[0]

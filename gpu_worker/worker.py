@@ -13,7 +13,7 @@ import torch
 
 from gpu_worker.kv_cache import KVCache
 from gpu_worker.logprobs import row_logprobs
-from gpu_worker.model import DecodeGroup, LlamaShard, StepInputs
+from gpu_worker.model import DecodeGroup, LlamaShard, PrefillRow, StepInputs
 from gpu_worker.sampling import sample_rows
 from gpu_worker.tp_plan import make_shard_plan
 from gpu_worker.weights import load_shard, release_freed_memory
@@ -142,6 +142,7 @@ class Worker:
         last: list[int] = []
         decode_rows: list[int] = []
         decode_tok: list[int] = []
+        prefill_rows: list[PrefillRow] = []
         for b, r in enumerate(fb.reqs):
             n = len(r.input_ids)
             if n == 0 or n != len(r.out_slots):
@@ -160,6 +161,12 @@ class Worker:
             if n == 1 and r.prefix_len > 0:
                 decode_rows.append(b)
                 decode_tok.append(len(ids))
+            elif r.prefix_len == 0:
+                prefill_rows.append(PrefillRow(len(ids), n, None, None))
+            else:
+                total = r.prefix_len + n
+                mask = torch.ones(n, total, dtype=torch.bool, device=dev).tril(r.prefix_len)[None, None]
+                prefill_rows.append(PrefillRow(len(ids), n, self.kv.req_to_token[r.req_idx, :total], mask))
             ids.extend(r.input_ids)
             pos.extend(range(r.prefix_len, r.prefix_len + n))
             slots.extend(r.out_slots)
@@ -176,6 +183,7 @@ class Worker:
             decode_groups=groups,
             last_token_index=torch.tensor(last, dtype=torch.int64, device=dev),
             every_token_last=len(ids) == len(fb.reqs),
+            prefill_rows=prefill_rows,
         )
 
     def _decode_groups(self, fb: ForwardBatch, rows: list[int], tok: list[int]) -> list[DecodeGroup]:
