@@ -121,6 +121,29 @@ class Int8Linear:
 QuantLinear = Int4Linear | Int8Linear  # what ``LlamaShard._mm`` accepts besides a dense tensor
 
 
+def int4_beats_dense(dense_dtype: torch.dtype, matrices: int = 8) -> tuple[bool, float, float]:
+    """Whether the 4-bit kernel decodes one row faster than a dense ``dense_dtype`` GEMM on this CPU.
+
+    Times one row through ``matrices`` distinct ``[1536, 576]`` weights (SmolLM2's gate half; 8 of them are
+    28 MB in fp32, more than a cache holds, as a real decode step streams its weights), fastest of 5 passes.
+    Returns ``(faster, int4 seconds, dense seconds)``.
+    """
+    from gpu_worker.timing import best_time
+
+    g = torch.Generator().manual_seed(0)
+    n, k = 1536, 576
+    dense = [torch.randn(n, k, generator=g).to(dense_dtype) for _ in range(matrices)]
+    quant = [
+        Int4Linear(torch.randint(0, 16, (n, k), generator=g), torch.rand(n, k // GROUP), torch.zeros(n, k // GROUP))
+        for _ in range(matrices)
+    ]
+    xd = torch.randn(1, k, generator=g).to(dense_dtype)
+    xq = xd.to(_KERNEL_DTYPE)
+    t_quant = best_time(lambda: [w.mm(xq) for w in quant], 5)
+    t_dense = best_time(lambda: [xd @ w.T for w in dense], 5)
+    return t_quant < t_dense, t_quant, t_dense
+
+
 def quantize_int8_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric per-row int8 of ``w [N, K]``: ``(q [N, K] int8, scales [N] fp32)``, ``w ~ q * scales[:, None]``.
 
