@@ -68,22 +68,18 @@ class PrefillRow:
 class StepInputs:
     """Tensors for one forward step (``T`` packed tokens, ``B`` requests in plan order).
 
-    input_ids, positions, out_slots: ``[T]`` int64. ``seq_lens`` (prefix + new), ``ext_lens`` (new tokens),
-    ``req_idx``: per-request Python lists. ``decode_rows`` lists the requests with one new token and a
-    non-empty prefix; they are attended in ``decode_groups`` (rows of similar length, so that padding stays
-    small); the rest are attended one by one.
+    input_ids, positions, out_slots: ``[T]`` int64. ``ext_lens``: new tokens per request (Python list). Requests
+    with one new token and a non-empty prefix are attended in ``decode_groups`` (rows of similar length, so that
+    padding stays small); the rest, ``prefill_rows``, one by one. Everything here is made once per step.
     """
 
     input_ids: torch.Tensor
     positions: torch.Tensor
     out_slots: torch.Tensor
-    req_idx: list[int]
-    prefix_lens: list[int]
     ext_lens: list[int]
-    decode_rows: list[int]
     decode_groups: list[DecodeGroup]
     last_token_index: torch.Tensor  # [B] offset of each request's last token
-    prefill_rows: list[PrefillRow] = field(default_factory=list)  # every row that is not in a decode group
+    prefill_rows: list[PrefillRow] = field(default_factory=list)
     every_token_last: bool = False  # T == B (a pure decode step): logits for every row, no gather
 
 

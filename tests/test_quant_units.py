@@ -103,3 +103,21 @@ def test_gguf_mode_needs_a_gguf_source(tmp_path):
     (tmp_path / "loom_source.json").write_text('{"gguf": "/nonexistent/model.gguf"}')
     with pytest.raises(ModelSourceError, match="no longer exists"):
         gguf_source(tmp_path)
+
+
+def test_auto_quantization_serves_gguf_blocks_only_for_a_gguf_model_on_cpu(tmp_path):
+    from ipc.model_source import effective_quantization
+
+    assert effective_quantization("auto", tmp_path, "cpu") == "none"  # not converted from a GGUF
+    (tmp_path / "loom_source.json").write_text('{"gguf": "/x.gguf"}')
+    assert effective_quantization("auto", tmp_path, "cpu") == "gguf"
+    assert effective_quantization("auto", tmp_path, "cuda") == "none"
+    for explicit in ("none", "int8", "gguf"):
+        assert effective_quantization(explicit, tmp_path, "cpu") == explicit
+
+
+def test_start_up_measurement_compares_the_two_paths():
+    from gpu_worker.quant import int4_beats_dense
+
+    faster, t4, td = int4_beats_dense(torch.float32, matrices=2)
+    assert isinstance(faster, bool) and t4 > 0 and td > 0 and faster == (t4 < td)
