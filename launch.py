@@ -45,7 +45,7 @@ from ipc.messages import (
     WorkersRestarting,
 )
 from ipc.model_config import UnsupportedModelError, load_model_config
-from ipc.model_source import ModelSourceError, gguf_source, resolve_model_path
+from ipc.model_source import ModelSourceError, resolve_model_path
 from ipc.proc import STOP_MARKER
 from ipc.sockets import CONTROL_CODEC, make_socket
 
@@ -172,11 +172,33 @@ def infer_lora_defaults(ns: argparse.Namespace) -> tuple[int, list[str]]:
     return rank, targets
 
 
+def resolve_quantization(ns: argparse.Namespace, model_dir: Path) -> str:
+    """``--quantization`` checked before any process starts: an explicit ``gguf`` the file or TP size cannot serve
+    and ``int8``/``gguf`` on CUDA fail here; ``auto`` becomes ``none`` where ``gguf`` could not serve the model
+    (the workers then choose between ``gguf`` and ``none`` by measurement).
+
+    Raises:
+        ModelSourceError: naming the tensor, split or device at fault.
+    """
+    q = ns.quantization
+    if q in ("int8", "gguf") and ns.device == "cuda":
+        raise ModelSourceError(f"--quantization {q} uses PyTorch's CPU weight-only kernels: use none on CUDA")
+    if q == "gguf" or (q == "auto" and ns.device != "cuda" and (model_dir / "loom_source.json").is_file()):
+        from gpu_worker.gguf_check import gguf_unservable
+
+        why = gguf_unservable(model_dir, ns.tp_size)
+        if why and q == "gguf":
+            raise ModelSourceError(why)
+        if why:
+            log.info("--quantization auto: none (%s)", why)
+            return "none"
+    return "none" if q == "auto" and ns.device == "cuda" else q
+
+
 def to_server_args(ns: argparse.Namespace) -> ServerArgs:
     """Resolve the model (converting a GGUF once) and build the config tree every process gets."""
     model_dir = resolve_model_path(ns.model_path)
-    if ns.quantization == "gguf":
-        gguf_source(model_dir)  # a checkpoint not converted from a GGUF fails here, before any process starts
+    quantization = resolve_quantization(ns, model_dir)
     load_model_config(model_dir)  # unsupported configs fail here, before any process starts
     if ns.zmq_endpoint.startswith("ipc://"):
         check_front_free(ns.zmq_endpoint)
@@ -191,7 +213,7 @@ def to_server_args(ns: argparse.Namespace) -> ServerArgs:
     return ServerArgs(
         model_path=str(model_dir),
         dtype=ns.dtype,
-        quantization=ns.quantization,
+        quantization=quantization,
         device=ns.device,
         tp_size=ns.tp_size,
         max_running_requests=ns.max_running_requests,

@@ -29,7 +29,7 @@ from ipc.messages import (
     WorkerReady,
 )
 from ipc.model_config import ModelConfig, load_model_config
-from ipc.model_source import effective_quantization
+from ipc.model_source import cache_root, effective_quantization
 
 log = logging.getLogger("gpu_worker")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -120,17 +120,18 @@ class Worker:
         self._gen.manual_seed(args.random_seed)
 
     def _choose_quantization(self, group: object | None) -> str:
-        """``--quantization`` with ``auto`` resolved: ``gguf`` for a GGUF model on CPU if the 4-bit kernel is
-        measured faster at one row than the dense path here, else ``none``. TP ranks agree (all must find it
-        faster), so every rank holds the same kind of weights."""
+        """``--quantization`` with ``auto`` resolved: ``gguf`` for a GGUF model on CPU (launch.py has checked that
+        its blocks and the TP split can be served) if the 4-bit kernel is faster at one row than the dense path on
+        this machine (measured once, then cached), else ``none``. TP ranks vote (all must find it faster), so
+        every rank holds the same kind of weights."""
         args = self.args
         q = effective_quantization(args.quantization, args.model_path, self.device.type)
         if args.quantization != "auto" or q != "gguf":
             return q
-        from gpu_worker.quant import int4_beats_dense
+        from gpu_worker.quant import cached_int4_choice
 
         dense = resolve_dtype(args.dtype, args.model_path, self.device, "none")
-        faster, t4, td = int4_beats_dense(dense)
+        faster, how = cached_int4_choice(dense, cache_root() / "kernel-choice")
         if group is not None:
             import torch.distributed as dist
 
@@ -138,13 +139,7 @@ class Worker:
             dist.all_reduce(vote, op=dist.ReduceOp.MIN, group=group)
             faster = bool(vote.item())
         choice = "gguf" if faster else "none"
-        log.info(
-            "--quantization auto: %s (one row through 8 gate matrices: 4-bit %.0f us, %s %.0f us)",
-            choice,
-            t4 * 1e6,
-            str(dense).replace("torch.", ""),
-            td * 1e6,
-        )
+        log.info("--quantization auto: %s (%s)", choice, how)
         return choice
 
     def ready(self) -> WorkerReady:

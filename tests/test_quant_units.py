@@ -121,3 +121,20 @@ def test_start_up_measurement_compares_the_two_paths():
 
     faster, t4, td = int4_beats_dense(torch.float32, matrices=2)
     assert isinstance(faster, bool) and t4 > 0 and td > 0 and faster == (t4 < td)
+
+
+def test_the_machine_choice_is_measured_once_then_kept(tmp_path):
+    from gpu_worker.quant import cached_int4_choice
+
+    first = cached_int4_choice(torch.float32, tmp_path)
+    (f,) = tmp_path.glob("int4-vs-dense-*.json")
+    again = cached_int4_choice(torch.float32, tmp_path)
+    assert again[0] == first[0] and "measured earlier" in again[1] and str(f) in again[1]
+
+
+def test_gguf_servability_is_checked_before_start(tmp_path, model_path):
+    from gpu_worker.gguf_check import gguf_unservable
+
+    for tp in (1, 2, 3):  # SmolLM2's o/down splits fall on 32-weight block edges at every TP size it allows
+        assert gguf_unservable(model_path, tp) is None
+    assert "not converted from a GGUF" in gguf_unservable(tmp_path, 1)
