@@ -104,24 +104,11 @@ def load_shard(
         # copy=True: never keep a view of the mmapped file (rewriting it would corrupt or SIGBUS a running server)
         return t.to(device=device, dtype=dtype, copy=True).contiguous()
 
-    int8 = quantization == "int8"
-
-    def whole(name: str, shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
-        return quantize_int8_rows(src.slice(name, shape))
-
-    def linear(parts: list[tuple[torch.Tensor, torch.Tensor]], cols: tuple[int, int] | None = None):
-        q = torch.cat([p[0] for p in parts])
-        s = torch.cat([p[1] for p in parts])
-        if cols is not None:
-            q = q[:, cols[0] : cols[1]]
-        return Int8Linear(q.contiguous(), s)
-
+    if quantization == "int8":
+        return _load_int8(src, cfg, plan, put)
     layers = []
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
-        if int8:
-            layers.append(_int8_layer(src, cfg, plan, p, put, whole, linear))
-            continue
         q = src.slice(p + "self_attn.q_proj.weight", (hq * d, h), rows=q_rows)
         k = src.slice(p + "self_attn.k_proj.weight", (hkv * d, h), rows=kv_rows)
         v = src.slice(p + "self_attn.v_proj.weight", (hkv * d, h), rows=kv_rows)
@@ -137,10 +124,6 @@ def load_shard(
                 "down": put(src.slice(p + "mlp.down_proj.weight", (h, cfg.intermediate_size), cols=plan.ffn)),
             }
         )
-    if int8:
-        embed = linear([whole("model.embed_tokens.weight", (cfg.vocab_size, h))])
-        head = embed if cfg.tie_word_embeddings else linear([whole("lm_head.weight", (cfg.vocab_size, h))])
-        return {"layers": layers, "embed": embed, "norm": put(src.slice("model.norm.weight", (h,))), "lm_head": head}
     embed = put(src.slice("model.embed_tokens.weight", (cfg.vocab_size, h)))
     if cfg.tie_word_embeddings:
         lm_head = embed
@@ -149,32 +132,50 @@ def load_shard(
     return {"layers": layers, "embed": embed, "norm": put(src.slice("model.norm.weight", (h,))), "lm_head": lm_head}
 
 
-def _int8_layer(src: _Shards, cfg: ModelConfig, plan: ShardPlan, p: str, put, whole, linear) -> dict:
-    """One layer's int8 weights: whole tensors quantised per output row, then cut for this rank."""
+def _int8(src: _Shards, name: str, shape: tuple[int, ...], rows=None, cols=None) -> Int8Linear:
+    """``name`` as per-row int8, cut to this rank. Rows are independent, so a row slice is quantised alone; a
+    column slice (row-parallel layers) keeps the scale of the whole row, so every TP size computes the same."""
+    q, s = quantize_int8_rows(src.slice(name, shape, rows=rows))
+    if cols is not None:
+        q = q[:, cols[0] : cols[1]].contiguous()
+    return Int8Linear(q, s)
+
+
+def _stack(parts: list[Int8Linear]) -> Int8Linear:
+    """Row-stack int8 linears (fused qkv, gate_up)."""
+    return Int8Linear(torch.cat([p.q for p in parts]), torch.cat([p.scales.float() for p in parts]))
+
+
+def _load_int8(src: _Shards, cfg: ModelConfig, plan: ShardPlan, put) -> dict:
+    """This rank's weights with every linear layer and the embedding as ``Int8Linear`` (norms via ``put``)."""
     h, d, hq, hkv = cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
     q_rows = (plan.q_heads[0] * d, plan.q_heads[1] * d)
     kv_rows = (plan.kv_heads[0] * d, plan.kv_heads[1] * d)
-
-    def rows(qs: tuple[torch.Tensor, torch.Tensor], r: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
-        return qs[0][r[0] : r[1]], qs[1][r[0] : r[1]]
-
     ffn = (cfg.intermediate_size, h)
-    return {
-        "input_norm": put(src.slice(p + "input_layernorm.weight", (h,))),
-        "post_norm": put(src.slice(p + "post_attention_layernorm.weight", (h,))),
-        "qkv": linear(
-            [
-                rows(whole(p + "self_attn.q_proj.weight", (hq * d, h)), q_rows),
-                rows(whole(p + "self_attn.k_proj.weight", (hkv * d, h)), kv_rows),
-                rows(whole(p + "self_attn.v_proj.weight", (hkv * d, h)), kv_rows),
-            ]
-        ),
-        "o": linear([whole(p + "self_attn.o_proj.weight", (h, hq * d))], cols=q_rows),
-        "gate_up": linear(
-            [
-                rows(whole(p + "mlp.gate_proj.weight", ffn), plan.ffn),
-                rows(whole(p + "mlp.up_proj.weight", ffn), plan.ffn),
-            ]
-        ),
-        "down": linear([whole(p + "mlp.down_proj.weight", (h, cfg.intermediate_size))], cols=plan.ffn),
-    }
+    layers = []
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        layers.append(
+            {
+                "input_norm": put(src.slice(p + "input_layernorm.weight", (h,))),
+                "post_norm": put(src.slice(p + "post_attention_layernorm.weight", (h,))),
+                "qkv": _stack(
+                    [
+                        _int8(src, p + "self_attn.q_proj.weight", (hq * d, h), rows=q_rows),
+                        _int8(src, p + "self_attn.k_proj.weight", (hkv * d, h), rows=kv_rows),
+                        _int8(src, p + "self_attn.v_proj.weight", (hkv * d, h), rows=kv_rows),
+                    ]
+                ),
+                "o": _int8(src, p + "self_attn.o_proj.weight", (h, hq * d), cols=q_rows),
+                "gate_up": _stack(
+                    [
+                        _int8(src, p + "mlp.gate_proj.weight", ffn, rows=plan.ffn),
+                        _int8(src, p + "mlp.up_proj.weight", ffn, rows=plan.ffn),
+                    ]
+                ),
+                "down": _int8(src, p + "mlp.down_proj.weight", (h, cfg.intermediate_size), cols=plan.ffn),
+            }
+        )
+    embed = _int8(src, "model.embed_tokens.weight", (cfg.vocab_size, h))
+    head = embed if cfg.tie_word_embeddings else _int8(src, "lm_head.weight", (cfg.vocab_size, h))
+    return {"layers": layers, "embed": embed, "norm": put(src.slice("model.norm.weight", (h,))), "lm_head": head}

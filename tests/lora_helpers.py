@@ -340,6 +340,18 @@ def peft_reference() -> dict:
     return ref
 
 
+def six_adapter_worker(**kw):
+    """An in-process ``Worker`` on the real model with LoRA on and the six test adapters loaded as ``uid-NAME``
+    (``kw``: ``server_args`` overrides, e.g. ``dtype`` or ``quantization``)."""
+    from gpu_worker.worker import Worker
+
+    kw = {"enable_lora": True, "max_loras_per_batch": 6, "max_lora_rank": 64, **kw}
+    worker = Worker(server_args(real_model_path(), **kw))
+    for name, folder in real_adapters().items():
+        worker.lora.load(f"uid-{name}", name, str(folder))
+    return worker
+
+
 def until_eos(ids: list[int], n: int | None = None) -> list[int]:
     """``ids`` cut to ``n`` tokens, then up to and including the first EOS."""
     ids = list(ids[:n] if n is not None else ids)

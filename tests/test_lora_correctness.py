@@ -18,8 +18,7 @@ from lora_helpers import (
     launch_cluster,
     peft_reference,
     real_adapters,
-    real_model_path,
-    server_args,
+    six_adapter_worker,
     until_eos,
 )
 
@@ -77,21 +76,8 @@ def test_adapters_change_the_output(ref):
 
 def test_prefill_logits_of_mixed_batch_match_peft(ref):
     """One ForwardBatch: every prompt x (base + 6 adapters), rows interleaved so no adapter is contiguous."""
-    from gpu_worker.worker import Worker
-
-    args = server_args(
-        real_model_path(),
-        dtype="float32",
-        enable_lora=True,
-        max_loras_per_batch=6,
-        max_lora_rank=64,
-        max_total_tokens=1024,
-        max_running_requests=32,
-    )
-    worker = Worker(args)
+    worker = six_adapter_worker(dtype="float32", max_total_tokens=1024, max_running_requests=32)
     uids = {t: f"uid-{t}" for t in ADAPTER_NAMES}
-    for t, folder in real_adapters().items():
-        worker.lora.load(uids[t], t, str(folder))
     rows, plan, next_slot = [], [], 0
     sp = WorkerSampling(0.0, 1.0, -1, None)
     for i, (p, ids) in enumerate(ref["input_ids"].items()):

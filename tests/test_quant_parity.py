@@ -35,7 +35,7 @@ from loom_helpers import (
     tp_logits,
     until_eos,
 )
-from lora_helpers import ADAPTER_NAMES, peft_reference, real_adapters
+from lora_helpers import ADAPTER_NAMES, peft_reference, six_adapter_worker
 
 from ipc.messages import BatchReq, ForwardBatch, SamplingParams, TokenizedReq, WorkerSampling
 
@@ -126,24 +126,7 @@ def _lora_rows(ref: dict) -> list[tuple[str, str]]:
     return [(tags[(j * 3 + i) % len(tags)], p) for i, p in enumerate(ref["input_ids"]) for j in range(len(tags))]
 
 
-def _lora_worker(model_path, **kw):
-    from lora_helpers import server_args
-
-    from gpu_worker.worker import Worker
-
-    args = server_args(
-        model_path,
-        enable_lora=True,
-        max_loras_per_batch=6,
-        max_lora_rank=64,
-        max_total_tokens=4096,
-        max_running_requests=64,
-        **kw,
-    )
-    w = Worker(args)
-    for t, folder in real_adapters().items():
-        w.lora.load(f"uid-{t}", t, str(folder))
-    return w
+_LORA_POOL = {"max_total_tokens": 4096, "max_running_requests": 64}
 
 
 def _mixed_decode(w, ref: dict, rows: list, steps: int, forced: dict | None) -> tuple[list[list[int]], list[list]]:
@@ -184,9 +167,9 @@ def test_lora_on_gguf_base_matches_peft_in_a_mixed_batch(model_path):
     n = 16
     want = [ref["greedy"][f"{t}|{p}"][:n] for t, p in rows]
     forced = [w + [2] * (n - len(w)) for w in want]  # rows that stop early are padded with EOS (not compared)
-    _, exact = _mixed_decode(_lora_worker(model_path, dtype="float32"), ref, rows, n, forced)
-    _, dense_bf16 = _mixed_decode(_lora_worker(model_path, dtype="bfloat16"), ref, rows, n, forced)
-    quant = _lora_worker(model_path, quantization="gguf", dtype="auto")
+    _, exact = _mixed_decode(six_adapter_worker(**_LORA_POOL, dtype="float32"), ref, rows, n, forced)
+    _, dense_bf16 = _mixed_decode(six_adapter_worker(**_LORA_POOL, dtype="bfloat16"), ref, rows, n, forced)
+    quant = six_adapter_worker(**_LORA_POOL, quantization="gguf", dtype="auto")
     _, q_forced = _mixed_decode(quant, ref, rows, n, forced)
     got, _ = _mixed_decode(quant, ref, rows, n, None)
     worst, worst_bf16, report = 0.0, 0.0, []
