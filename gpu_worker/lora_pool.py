@@ -275,14 +275,15 @@ class LoraBatch:
     - **Batched** (decode-like steps, where segments are short and similar): every slot's tokens are gathered
       into a padded ``[n_slots, Tmax, in]`` block and one ``bmm`` shrinks all slots through the stacked A of
       every targeted sub-module; one ``bmm`` per sub-module expands at the batch's largest rank for it into
-      a padded delta block, and one ``index_select`` hands every token its row back. The op count no longer grows with the number of adapters
-      (on CPU a small GEMM costs tens of microseconds of fixed overhead, which dominated mixed batches).
+      a padded delta block, and one ``index_select`` hands every token its row back. The op count no longer
+      grows with the number of adapters (on CPU a small GEMM costs tens of microseconds of fixed overhead,
+      which dominated mixed batches).
     - **Per segment** (a long prefill next to short segments would make the padding costly): per segment and
       fused projection, one shrink GEMM over the stacked A, then one ``addmm_`` per sub-module straight into
       the output columns at the adapter's own rank (Punica's SGMV idea, arXiv 2310.18547).
 
-    Padding rows read token 0 and are never handed back (base tokens read an all-zero row); padded rank columns are zero in A and B
-    (slots zero them on write), so both ways give the same result.
+    Padding rows read token 0 and are never handed back (base tokens read an all-zero row); padded rank columns
+    are zero in A and B (slots zero them on write), so both ways give the same result.
     """
 
     PAD_LIMIT = 2.0  # batched only while padded rows <= this many times the real LoRA rows

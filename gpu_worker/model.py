@@ -16,6 +16,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from gpu_worker.kv_cache import KVCache
+from gpu_worker.packed_linear import PackedLinear
 from gpu_worker.quant import QuantLinear
 from gpu_worker.timing import best_time
 from gpu_worker.tp_plan import ShardPlan
@@ -143,10 +144,11 @@ class LlamaShard:
         if self.tp > 1:
             self.all_reduce_fn = lambda t: dist.all_reduce(t, group=group)
 
-    def _mm(self, x: torch.Tensor, w: torch.Tensor | QuantLinear) -> torch.Tensor:
+    def _mm(self, x: torch.Tensor, w: torch.Tensor | QuantLinear | PackedLinear) -> torch.Tensor:
         """``x @ w.T``; on CPUs without fast bf16 GEMM, batches of many rows compute in fp32.
 
-        ``w`` is a dense ``[N, K]`` tensor or a quantised linear (``gpu_worker.quant``) that runs its own kernel.
+        ``w`` is a dense ``[N, K]`` tensor, or a quantised (``gpu_worker.quant``) or prepacked
+        (``gpu_worker.packed_linear``) linear that runs its own kernel.
         """
         if not isinstance(w, torch.Tensor):
             return w.mm(x)
