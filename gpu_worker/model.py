@@ -20,6 +20,7 @@ from gpu_worker.packed_linear import PackedLinear
 from gpu_worker.quant import QuantLinear
 from gpu_worker.timing import best_time
 from gpu_worker.tp_plan import ShardPlan
+from gpu_worker.vocab_parallel import head_rows, vocab_range
 from ipc.model_config import ModelConfig
 
 
@@ -139,6 +140,11 @@ class LlamaShard:
         self.dtype = norm.dtype
         self.inv_freq = rope_inv_freq(cfg).to(norm.device)
         self.upcast_min_rows = _bf16_upcast_threshold(norm)
+        # vocab-parallel head at TP > 1: this rank's rows only (views), joined by one all-reduce per step
+        self.vocab = cfg.vocab_size
+        self.vocab_lo, self.vocab_hi = vocab_range(cfg.vocab_size, self.tp, plan.rank)
+        if self.tp > 1:
+            weights["lm_head"] = head_rows(weights["lm_head"], self.vocab_lo, self.vocab_hi)
         # the TP all-reduce (in place, sum over ranks); a same-host shared-memory reducer may replace it
         self.all_reduce_fn: Callable[[torch.Tensor], None] | None = None
         if self.tp > 1:
@@ -247,4 +253,9 @@ class LlamaShard:
             x = x + self._all_reduce(dn)
         last = x if s.every_token_last else x[s.last_token_index]
         last = rms_norm(last, w["norm"], cfg.rms_norm_eps)
-        return self._mm(last, w["lm_head"]).float()
+        if self.tp == 1:
+            return self._mm(last, w["lm_head"]).float()
+        logits = last.new_zeros(last.shape[0], self.vocab)
+        if self.vocab_hi > self.vocab_lo:
+            logits[:, self.vocab_lo : self.vocab_hi] = self._mm(last, w["lm_head"])
+        return self._all_reduce(logits).float()

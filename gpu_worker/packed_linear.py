@@ -79,16 +79,22 @@ def packing_pays(w: torch.Tensor, rows: tuple[int, ...] = (1, 32)) -> tuple[bool
     return pays, ("used" if pays else "not used") + " (" + "; ".join(parts) + ")"
 
 
+def _shares_storage(a: object, b: torch.Tensor) -> bool:
+    return isinstance(a, torch.Tensor) and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
 def pack_linears(weights: dict, names: tuple[str, ...] = ("qkv", "o", "gate_up", "down")) -> int:
     """Replace every layer's dense ``names`` weights in ``weights["layers"]`` with :class:`PackedLinear`, in place,
     and a separate (untied) dense ``weights["lm_head"]`` too.
 
     Quantised linears and anything not a dense tensor are left as they are. Returns how many were packed. A tied
-    LM head stays plain: the embedding lookup reads the same table, so packing it would hold the table twice.
+    LM head (the table itself, or a TP rank's rows of it) stays plain: the embedding lookup reads the same table,
+    so packing it would hold those rows twice.
     """
     n = 0
-    head = weights.get("lm_head")
-    if isinstance(head, torch.Tensor) and head is not weights.get("embed"):
+    head, embed = weights.get("lm_head"), weights.get("embed")
+    tied = isinstance(embed, torch.Tensor) and head is not None and _shares_storage(head, embed)
+    if isinstance(head, torch.Tensor) and not tied:
         weights["lm_head"] = PackedLinear(head)
         n += 1
     for lw in weights["layers"]:

@@ -98,8 +98,8 @@ class Worker:
         self.quantization = self._choose_quantization(group)
         self.dtype = resolve_dtype(args.dtype, args.model_path, self.device, self.quantization)
         weights = load_shard(args.model_path, self.cfg, self.plan, self.dtype, self.device, self.quantization)
+        self.model = LlamaShard(self.cfg, self.plan, weights, group)  # takes its vocabulary rows of the head
         self.packed_linears = self._pack_linears(weights)
-        self.model = LlamaShard(self.cfg, self.plan, weights, group)
         release_freed_memory()
         self.context_len = args.context_length or self.cfg.max_position_embeddings
         cap = kv_capacity_tokens(args, self.cfg, self.plan.num_kv_heads, self.dtype, self.device)
