@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from gpu_worker.tp_plan import make_shard_plan
+from gpu_worker.tp_plan import plan_for_model
 from ipc.gguf_convert import hf_tensor_name
 from ipc.model_config import load_model_config
 from ipc.model_source import ModelSourceError, gguf_source
@@ -41,7 +41,7 @@ def gguf_unservable(model_dir: str | Path, tp_size: int) -> str | None:
             )
         kinds[t.name] = kind
     for rank in range(tp_size):
-        plan = make_shard_plan(cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size, tp_size, rank)
+        plan = plan_for_model(cfg, tp_size, rank)
         cuts = {
             "attn_output": (plan.q_heads[0] * cfg.head_dim, plan.q_heads[1] * cfg.head_dim),
             "ffn_down": plan.ffn,

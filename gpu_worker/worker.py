@@ -17,7 +17,7 @@ from gpu_worker.logprobs import row_logprobs
 from gpu_worker.model import DecodeGroup, LlamaShard, PrefillRow, StepInputs
 from gpu_worker.packed_linear import pack_linears, packing_pays
 from gpu_worker.sampling import sample_rows
-from gpu_worker.tp_plan import make_shard_plan
+from gpu_worker.tp_plan import plan_for_model
 from gpu_worker.weights import load_shard, release_freed_memory
 from ipc.config import ServerArgs
 from ipc.messages import (
@@ -92,9 +92,7 @@ class Worker:
         self.device = device if device is not None else pick_device(args.device, rank)
         self.incarnation = uuid.uuid4().hex
         self.cfg = load_model_config(args.model_path)
-        self.plan = make_shard_plan(
-            self.cfg.num_heads, self.cfg.num_kv_heads, self.cfg.intermediate_size, args.tp_size, rank
-        )
+        self.plan = plan_for_model(self.cfg, args.tp_size, rank)
         self.quantization = self._choose_quantization(group)
         self.dtype = resolve_dtype(args.dtype, args.model_path, self.device, self.quantization)
         weights = load_shard(args.model_path, self.cfg, self.plan, self.dtype, self.device, self.quantization)

@@ -148,7 +148,7 @@ def tiny_pool(
 ):
     """An in-process :class:`LoraPool` over the tiny config (CPU, ``dtype``, fp32 by default)."""
     from gpu_worker.lora_pool import LoraPool
-    from gpu_worker.tp_plan import make_shard_plan
+    from gpu_worker.tp_plan import plan_for_model
 
     args = server_args(
         enable_lora=True,
@@ -157,7 +157,7 @@ def tiny_pool(
         lora_eviction_policy=policy,
         lora_target_modules=list(targets or ALL),
     )
-    plan = make_shard_plan(cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size, tp_size, rank)
+    plan = plan_for_model(cfg, tp_size, rank)
     return LoraPool(args, cfg, plan, dtype, torch.device("cpu"))
 
 

@@ -214,7 +214,7 @@ _RSS_PROBE = textwrap.dedent(
     """
     import gc, json, sys, torch
     import gpu_worker.gguf_weights, gpu_worker.quant  # imports first: only the weights count
-    from gpu_worker.tp_plan import make_shard_plan
+    from gpu_worker.tp_plan import plan_for_model
     from gpu_worker.weights import load_shard, release_freed_memory
     from ipc.model_config import load_model_config
 
@@ -223,7 +223,7 @@ _RSS_PROBE = textwrap.dedent(
             return next(int(l.split()[1]) for l in f if l.startswith("VmRSS")) / 1024
 
     cfg = load_model_config(sys.argv[1])
-    plan = make_shard_plan(cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size, 1, 0)
+    plan = plan_for_model(cfg, 1, 0)
     gc.collect(); release_freed_memory(); before = rss_mb()
     w = load_shard(sys.argv[1], cfg, plan, torch.bfloat16, torch.device("cpu"), sys.argv[2])
     gc.collect(); release_freed_memory()
