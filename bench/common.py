@@ -287,3 +287,15 @@ def loom_cluster(*flags: str, timeout_s: float = 600.0, prefix: str = "loom-benc
             shutil.rmtree(tmp, ignore_errors=True)
         else:
             print(f"cluster log kept in {log_path} (launcher exit status {p.returncode})", file=sys.stderr)
+
+
+def add_quantization_arg(p) -> None:
+    """``--quantization`` for a throughput benchmark: ``none`` (bf16 weights, what issue 10's figures track) by
+    default; launch.py's own default is ``auto`` (4-bit GGUF blocks for the embedded model, faster at batch 1 and
+    slower than bf16 from about 16 rows per step on this CPU)."""
+    p.add_argument(
+        "--quantization",
+        default="none",
+        choices=["none", "int8", "gguf", "auto"],
+        help="passed to launch.py (default none: bf16 weights; launch.py's own default is auto)",
+    )

@@ -42,7 +42,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from common import ROOT, bench_header, loadavg, loom_cluster, median, quantile, random_prompt_ids
+from common import ROOT, add_quantization_arg, bench_header, loadavg, loom_cluster, median, quantile, random_prompt_ids
 
 sys.path.insert(0, str(ROOT / "scripts"))
 
@@ -263,6 +263,7 @@ def main() -> None:
     p.add_argument("--targets", default="q_proj,v_proj", help="comma-separated; all seven take 5x the disk")
     p.add_argument("--load-samples", type=int, default=8)
     p.add_argument("--dtype", default="bfloat16")
+    add_quantization_arg(p)
     p.add_argument("--tp-size", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args()
@@ -274,14 +275,17 @@ def main() -> None:
 
     model_path = resolve_model_path(None)
     vocab = load_model_config(model_path).vocab_size
-    print(bench_header("bench/many_adapters.py: Zipf traffic over many adapters", dtype=a.dtype, tp_size=a.tp_size))
+    quant = f"Loom --quantization {a.quantization}"
+    title = "bench/many_adapters.py: Zipf traffic over many adapters"
+    print(bench_header(title, dtype=a.dtype, tp_size=a.tp_size, extra=quant))
     adapters, folder = make_set(a, model_path)
     names = list(adapters)
     prompts = [random_prompt_ids(a.prompt_tokens, vocab, a.seed * 100_000 + i) for i in range(a.requests)]
     warm_n = 2 * a.concurrency
     warm_prompts = [random_prompt_ids(a.prompt_tokens, vocab, -1 - i) for i in range(warm_n)]
     flags = [
-        "--dtype", a.dtype, "--tp-size", str(a.tp_size), "--enable-lora", "--lora-root", str(folder),
+        "--dtype", a.dtype, "--quantization", a.quantization, "--tp-size", str(a.tp_size), "--enable-lora",
+        "--lora-root", str(folder),
         "--max-loras-per-batch", str(a.max_loras_per_batch), "--max-loaded-loras", str(a.max_loaded_loras),
         "--max-lora-rank", str(max(int(r) for r in a.ranks.split(","))), "--lora-target-modules",
         *a.targets.split(","), "--max-total-tokens", str(a.concurrency * (a.prompt_tokens + a.new_tokens) + 256),

