@@ -27,52 +27,82 @@ from common import bench_header, chat_prompts, loadavg, loom_cluster, median
 from llamacpp import INSTALL_HINT, describe, loom_threads, measure
 
 
-def loom_runs(endpoint: str, prompts: list, new_tokens: int, repeats: int) -> tuple[float, float]:
-    """(batch-1 tok/s, concurrent tok/s) medians from a running cluster."""
-    from ipc.client import AsyncLoomClient, LoomClient
+class LoomRuns:
+    """Timed generations against a running cluster: one request alone, or every prompt at once."""
 
-    sp = {"max_new_tokens": new_tokens, "temperature": 0, "ignore_eos": True}
-    with LoomClient(endpoint) as c:
-        c.generate(messages=prompts[0], sampling_params={**sp, "max_new_tokens": 4})  # warm-up
-        one = []
-        for _ in range(repeats):
-            t = time.perf_counter()
-            out = c.generate(messages=prompts[0], sampling_params=sp)
-            one.append(out["meta_info"]["completion_tokens"] / (time.perf_counter() - t))
+    def __init__(self, endpoint: str, prompts: list, new_tokens: int) -> None:
+        from ipc.client import LoomClient
 
-    async def batch() -> float:
-        client = AsyncLoomClient(endpoint)
-        try:
-            t = time.perf_counter()
-            outs = await asyncio.gather(*[client.generate(messages=m, sampling_params=sp) for m in prompts])
-            return sum(o["meta_info"]["completion_tokens"] for o in outs) / (time.perf_counter() - t)
-        finally:
-            client.close()
+        self.endpoint, self.prompts = endpoint, prompts
+        self.sp = {"max_new_tokens": new_tokens, "temperature": 0, "ignore_eos": True}
+        self.client = LoomClient(endpoint)
+        self.client.generate(messages=prompts[0], sampling_params={**self.sp, "max_new_tokens": 4})  # warm-up
 
-    many = [asyncio.run(batch()) for _ in range(repeats)]
-    return median(one), median(many)
-
-
-def hf_runs(model_path: str, dtype: str, prompts: list, new_tokens: int, repeats: int) -> tuple[float, float]:
-    """(batch-1 tok/s, padded-batch tok/s) medians for transformers ``generate``."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(model_path)
-    tok.padding_side = "left"
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype)).eval()
-    texts = [tok.apply_chat_template(m, tokenize=False, add_generation_prompt=True) for m in prompts]
-    kw = {"max_new_tokens": new_tokens, "min_new_tokens": new_tokens, "do_sample": False, "pad_token_id": 2}
-
-    def run(batch_texts: list[str]) -> float:
-        enc = tok(batch_texts, return_tensors="pt", padding=True, add_special_tokens=False)
+    def one(self) -> float:
+        """Batch-1 tok/s."""
         t = time.perf_counter()
-        with torch.inference_mode():
-            out = model.generate(**enc, **kw)
+        out = self.client.generate(messages=self.prompts[0], sampling_params=self.sp)
+        return out["meta_info"]["completion_tokens"] / (time.perf_counter() - t)
+
+    def many(self) -> float:
+        """tok/s with every prompt in flight at once."""
+        from ipc.client import AsyncLoomClient
+
+        async def batch() -> float:
+            client = AsyncLoomClient(self.endpoint)
+            try:
+                t = time.perf_counter()
+                gens = [client.generate(messages=m, sampling_params=self.sp) for m in self.prompts]
+                outs = await asyncio.gather(*gens)
+                return sum(o["meta_info"]["completion_tokens"] for o in outs) / (time.perf_counter() - t)
+            finally:
+                client.close()
+
+        return asyncio.run(batch())
+
+    def close(self) -> None:
+        self.client.close()
+
+
+class HFRuns:
+    """Timed transformers ``generate`` calls in this process: one prompt, or every prompt as a padded batch."""
+
+    def __init__(self, model_path: str, dtype: str, prompts: list, new_tokens: int) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.torch = torch
+        self.tok = AutoTokenizer.from_pretrained(model_path)
+        self.tok.padding_side = "left"
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype)).eval()
+        self.texts = [self.tok.apply_chat_template(m, tokenize=False, add_generation_prompt=True) for m in prompts]
+        self.kw = {"max_new_tokens": new_tokens, "min_new_tokens": new_tokens, "do_sample": False, "pad_token_id": 2}
+        self._run(self.texts[:1])  # warm-up
+
+    def _run(self, batch_texts: list[str]) -> float:
+        enc = self.tok(batch_texts, return_tensors="pt", padding=True, add_special_tokens=False)
+        t = time.perf_counter()
+        with self.torch.inference_mode():
+            out = self.model.generate(**enc, **self.kw)
         return (out.shape[1] - enc["input_ids"].shape[1]) * len(batch_texts) / (time.perf_counter() - t)
 
-    run(texts[:1])  # warm-up
-    return median([run(texts[:1]) for _ in range(repeats)]), median([run(texts) for _ in range(repeats)])
+    def one(self) -> float:
+        """Batch-1 tok/s."""
+        return self._run(self.texts[:1])
+
+    def many(self) -> float:
+        """tok/s of one padded batch of every prompt."""
+        return self._run(self.texts)
+
+
+def paired(loom, hf, repeats: int) -> tuple[float, float, float]:
+    """Alternate ``loom()`` and ``hf()`` ``repeats`` times: (Loom median, HF median, median of the paired ratios).
+
+    On a shared machine whose speed drifts by 2x within minutes, a ratio of two runs made side by side is far
+    steadier than a ratio of medians taken minutes apart.
+    """
+    pairs = [(loom(), hf()) for _ in range(repeats)]
+    return median([x for x, _ in pairs]), median([y for _, y in pairs]), median([x / y for x, y in pairs])
 
 
 def main() -> None:
@@ -102,10 +132,16 @@ def main() -> None:
         flags += ["--quantization", a.quantization]
     flags += a.loom_args.split()
     with loom_cluster(*flags) as cluster:
-        l1, lb = loom_runs(cluster.endpoint, prompts, a.new_tokens, a.repeats)
+        loom = LoomRuns(cluster.endpoint, prompts, a.new_tokens)
+        hf = HFRuns(model_path, a.dtype, prompts, a.new_tokens)  # loaded while the cluster idles
+        try:  # Loom and transformers take turns, so both see the same machine
+            l1, h1, r1 = paired(loom.one, hf.one, a.repeats)
+            lb, hb, rb = paired(loom.many, hf.many, a.repeats)
+        finally:
+            loom.close()
+        del hf
         # llama.cpp gets as many threads as Loom's workers logged, in all (else the rule they follow)
         logged = [int(n) for n in re.findall(r"rank \d+: (\d+) ", cluster.worker_threads())]
-    h1, hb = hf_runs(model_path, a.dtype, prompts, a.new_tokens, a.repeats)
     try:
         lcpp = measure(
             embedded_gguf_path(),
@@ -117,7 +153,10 @@ def main() -> None:
         lcpp_note = f"llama.cpp rows skipped: llama-cpp-python is not installed ({INSTALL_HINT})"
     except Exception as e:  # noqa: BLE001 - an optional comparison must not cost the Loom/transformers table
         lcpp, lcpp_note = None, f"llama.cpp rows skipped: llama-cpp-python failed: {type(e).__name__}: {e}"
-    print(f"\n{a.new_tokens} new tokens per request, medians of {a.repeats} runs (tokens/s)")
+    print(
+        f"\n{a.new_tokens} new tokens per request, medians of {a.repeats} runs (tokens/s); Loom and transformers "
+        "ran in turns, Loom/HF is the median of the side-by-side ratios"
+    )
     if lcpp is None:
         print(lcpp_note)
     else:
@@ -128,18 +167,20 @@ def main() -> None:
         hdr += f"{'llama.cpp':>11}{'Loom/llama.cpp':>16}"
     print(hdr)
 
-    def row(label: str, loom: float | None, hf: float | None, cpp: float | None, ratios: bool = True) -> str:
+    def row(
+        label: str, loom: float | None, hf: float | None, cpp: float | None, ratios: bool = True, pair: float = 0.0
+    ) -> str:
         """One table line: figures (tok/s, or ratios themselves when ``ratios`` is False) and Loom's ratios."""
         fmt = ".1f" if ratios else ".2f"
         line = f"{label:<{w}}{'' if loom is None else format(loom, fmt):>10}{'' if hf is None else format(hf, fmt):>14}"
-        line += f"{loom / hf:>10.2f}" if ratios and loom and hf else f"{'':>10}"
+        line += f"{pair or loom / hf:>10.2f}" if ratios and loom and hf else f"{'':>10}"
         if lcpp is not None:
             line += f"{'' if cpp is None else format(cpp, fmt):>11}"
             line += f"{loom / cpp:>16.2f}" if ratios and loom and cpp else ""
         return line
 
-    print(row("batch 1", l1, h1, lcpp and lcpp.batch1))
-    print(row(f"{a.batch} concurrent/padded/batched", lb, hb, lcpp and lcpp.batched))
+    print(row("batch 1", l1, h1, lcpp and lcpp.batch1, pair=r1))
+    print(row(f"{a.batch} concurrent/padded/batched", lb, hb, lcpp and lcpp.batched, pair=rb))
     if lcpp is not None:
         print(row(f"{a.batch} sequential (one after another)", None, None, lcpp.sequential))
     print(row("concurrent / batch 1", lb / l1, hb / h1, lcpp and lcpp.batched / lcpp.batch1, ratios=False))
