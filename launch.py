@@ -32,7 +32,14 @@ import msgspec
 import zmq
 
 from ipc.codec import Codec, WireError
-from ipc.config import DEFAULT_CHUNKED_PREFILL_SIZE, LoraSpec, ServerArgs, free_tcp_port, make_endpoints
+from ipc.config import (
+    DEFAULT_CHUNKED_PREFILL_SIZE,
+    DEFAULT_MAX_PREFILL_TOKENS,
+    LoraSpec,
+    ServerArgs,
+    free_tcp_port,
+    make_endpoints,
+)
 from ipc.lora_config import DEFAULT_SERVED_MODEL_NAME, adapter_name_problem
 from ipc.messages import (
     DrainCmd,
@@ -134,6 +141,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=DEFAULT_CHUNKED_PREFILL_SIZE,
         help="most prefill tokens per step; longer prompts are prefilled over several steps (0 or less: off)",
+    )
+    a(
+        "--max-prefill-tokens",
+        type=int,
+        default=DEFAULT_MAX_PREFILL_TOKENS,
+        help="most prefill tokens in a step that runs no decode (no stream to keep smooth): a burst of prompts "
+        "is prefilled in one step instead of --chunked-prefill-size at a time",
     )
     a("--ready-timeout", type=float, default=300.0, help="seconds to wait for every process's READY")
     a(
@@ -243,6 +257,7 @@ def to_server_args(ns: argparse.Namespace) -> ServerArgs:
         max_loaded_loras=ns.max_loaded_loras,
         disable_radix_cache=ns.disable_radix_cache,
         chunked_prefill_size=ns.chunked_prefill_size,
+        max_prefill_tokens=ns.max_prefill_tokens,
         log_level=ns.log_level,
     )
 

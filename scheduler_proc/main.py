@@ -178,6 +178,7 @@ class SchedulerLoop:
             max_loras_per_batch=self.args.max_loras_per_batch,
             enable_prefix_cache=not self.args.disable_radix_cache,
             chunked_prefill_size=self.args.chunked_prefill_size,
+            max_prefill_tokens=self.args.max_prefill_tokens,
         )
         # the adapters any rank holds; a rank lacking one of them gets it restored (same uid, content hash)
         for rank in sorted(self.ready):

@@ -168,6 +168,9 @@ class Scheduler:
             and reuse it for requests that start the same way (``--disable-radix-cache`` turns it off; off by
             default here so a bare ``Scheduler`` frees every slot when idle).
         chunked_prefill_size: most prefill tokens in one step (0 or less: no limit, whole prompts at once).
+        max_prefill_tokens: most prefill tokens in a step with no decode row, when larger than
+            ``chunked_prefill_size``: chunking protects running streams' inter-token gaps, and with none running
+            a burst of prompts is prefilled in fewer, larger steps (SGLang's ``--max-prefill-tokens``).
 
     Hit-rate counters: ``prompt_tokens_total`` (prompt tokens admitted, each request counted once) and
     ``cached_tokens_total`` (of those, taken from the prefix cache); see :meth:`cache_stats`.
@@ -186,6 +189,7 @@ class Scheduler:
         starvation_steps: int = 64,
         enable_prefix_cache: bool = False,
         chunked_prefill_size: int = 0,
+        max_prefill_tokens: int = 0,
     ) -> None:
         self.max_running = max_running
         self.kv = KVBudget(kv_capacity)
@@ -213,6 +217,7 @@ class Scheduler:
         self._in_flight: list[tuple[Req, str]] | None = None  # (request, "chunk" | "last" | "decode") per row
         self.cache: RadixCache | None = RadixCache(self.kv.slots) if enable_prefix_cache else None
         self.chunked_prefill_size = chunked_prefill_size
+        self.max_prefill_tokens = max_prefill_tokens
         self.prompt_tokens_total = 0
         self.cached_tokens_total = 0
 
@@ -416,6 +421,8 @@ class Scheduler:
                 )
             )
             rows.append((r, "decode"))
+        if not plan and budget < self.max_prefill_tokens:  # no stream decodes this step: nothing to keep smooth
+            budget = self.max_prefill_tokens
         prefilling.sort(key=lambda r: r.arrival)
         for r in prefilling:  # requests part-way through their prefill go first
             if budget <= 0:

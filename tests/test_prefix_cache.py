@@ -19,7 +19,7 @@ from scheduler_proc.scheduler import Scheduler
 EOS = 2
 
 
-def make(kv=1000, max_running=8, chunk=0, cache=True, context=None) -> Scheduler:
+def make(kv=1000, max_running=8, chunk=0, cache=True, context=None, max_prefill=0) -> Scheduler:
     return Scheduler(
         max_running=max_running,
         kv_capacity=kv,
@@ -27,6 +27,7 @@ def make(kv=1000, max_running=8, chunk=0, cache=True, context=None) -> Scheduler
         eos_ids=[EOS],
         enable_prefix_cache=cache,
         chunked_prefill_size=chunk,
+        max_prefill_tokens=max_prefill,
     )
 
 
@@ -248,6 +249,23 @@ def test_long_prompt_is_chunked_while_decodes_go_on(cache):
     assert kinds == [(0, 16), (16, 16), (32, 16), (48, 2)]
     assert rows["long"].sampling.temperature == 0.0
     run_all(s)
+    check_accounting(s)
+
+
+def test_a_burst_with_no_stream_running_is_prefilled_in_one_step():
+    """Chunks protect running streams; with none running, --max-prefill-tokens bounds the step instead."""
+    s = make(chunk=16, cache=False, max_prefill=120)
+    for i in range(4):
+        s.add(req(f"p{i}", list(range(100 + 40 * i, 130 + 40 * i)), max_new=3))  # 4 x 30 tokens
+    fb, outs = step(s)
+    assert [len(r.input_ids) for r in fb.reqs] == [30, 30, 30, 30] and len(outs) == 4  # one step, no chunks
+    s.add(req("late", list(range(500, 540)), max_new=2))  # 40 tokens while four streams decode: chunked again
+    fb, _ = step(s)
+    assert sum(len(r.input_ids) for r in fb.reqs if r.rid == "late") == 16
+    run_all(s)
+    # an idle server with one long prompt takes it max_prefill tokens at a time
+    s.add(req("long", list(range(1000, 1300)), max_new=1))
+    assert [len(step(s)[0].reqs[0].input_ids) for _ in range(3)] == [120, 120, 60]
     check_accounting(s)
 
 
