@@ -80,8 +80,10 @@ class LoraPool:
         self.order: list[str] = []  # uids in slots, eviction order (first = next victim)
         self.local_dims = {m: self._local_dims(m) for m in LLAMA_LORA_MODULES}  # (in, out) on this rank
         self.slot_rank = [[dict.fromkeys(self.targets, 0) for _ in range(cfg.num_layers)] for _ in range(self.n_slots)]
-        # A of the targeted sub-modules of one fused projection share one buffer (sub-module k at rows
-        # k*max_rank..), so one GEMM shrinks all of them: qkv costs 4 GEMMs per segment instead of 6
+        # A of the targeted sub-modules of one fused projection share one buffer, rank-major: row j*M + k holds
+        # rank j of sub-module k (M sub-modules), so one GEMM over the first r*M rows shrinks all of them at the
+        # batch's rank r, not at --max-lora-rank (r8 adapters under the default max rank 64 would compute 136
+        # shrink columns of qkv for 24 useful ones with sub-module blocks laid end to end)
         self.fused_targets = {f: [m for m in mods if m in self.targets] for f, mods in FUSED.items()}
         self.A_fused: list[dict[str, torch.Tensor]] = []
         self.A: list[dict[str, torch.Tensor]] = []  # views of A_fused: [slots, max_rank, in_local] per module
@@ -92,10 +94,11 @@ class LoraPool:
                 if not mods:
                     continue
                 fin = self._local_dims(mods[0])[0]
-                af = torch.zeros(self.n_slots, len(mods) * self.max_rank, fin, dtype=self.slot_dtype, device=device)
+                af = torch.zeros(self.n_slots, self.max_rank * len(mods), fin, dtype=self.slot_dtype, device=device)
                 af_l[f] = af
+                per_rank = af.view(self.n_slots, self.max_rank, len(mods), fin)
                 for k, m in enumerate(mods):
-                    a_l[m] = af[:, k * self.max_rank : (k + 1) * self.max_rank]
+                    a_l[m] = per_rank[:, :, k]  # [slots, max_rank, in] (strided view)
                     fout = self._local_dims(m)[1]
                     b_l[m] = torch.zeros(self.n_slots, fout, self.max_rank, dtype=self.slot_dtype, device=device)
             self.A_fused.append(af_l)
@@ -335,16 +338,16 @@ class LoraBatch:
     def _add_batched(self, layer: int, fused: str, cols: list, x: torch.Tensor, out: torch.Tensor) -> None:
         p = self.pool
         n, tmax, src, pos = self._batched  # type: ignore[misc]
-        R = p.max_rank
         ranks = [max(p.slot_rank[s][layer][m] for s in self._slots) for _, m, _ in cols]
-        if not any(ranks):
+        rmax = max(ranks)
+        if not rmax:
             return
         af = p.A_fused[layer][fused]
-        span = max(k * R + r for (k, _, _), r in zip(cols, ranks, strict=True) if r)
+        nmod = len(p.fused_targets[fused])
         xs = x.index_select(0, src)
         if xs.dtype != af.dtype:
             xs = xs.to(af.dtype)
-        u = torch.bmm(xs.view(n, tmax, -1), af[:n, :span].transpose(1, 2))  # [n, Tmax, span]
+        u = torch.bmm(xs.view(n, tmax, -1), af[:n, : rmax * nmod].transpose(1, 2)).view(n, tmax, rmax, nmod)
         # every slot's delta lands in its padded row of ``d`` (the last row stays zero for base tokens); one
         # gather by ``pos`` then brings each token its own row: index_add_ into the tokens' rows was 10x slower
         d = torch.zeros(n * tmax + 1, out.shape[1], dtype=af.dtype, device=out.device)
@@ -352,13 +355,13 @@ class LoraBatch:
         for (k, m, c), r in zip(cols, ranks, strict=True):
             if r:
                 b = p.B[layer][m][:n, :, :r]  # [n, out_m, r]
-                torch.bmm(u[:, :, k * R : k * R + r], b.transpose(1, 2), out=d3[:, :, c : c + b.shape[1]])
+                torch.bmm(u[:, :, :r, k], b.transpose(1, 2), out=d3[:, :, c : c + b.shape[1]])
         out += d.index_select(0, pos)
 
     def _add_segments(self, layer: int, fused: str, cols: list, x: torch.Tensor, out: torch.Tensor) -> None:
         p = self.pool
         af = p.A_fused[layer][fused]
-        R = p.max_rank
+        nmod = len(p.fused_targets[fused])
         # slots in fp32 under a bf16 model (slow small bf16 GEMMs on this CPU): cast x once and accumulate
         # every segment's delta in one fp32 buffer, added to ``out`` once, instead of casting per segment
         same = x.dtype == af.dtype
@@ -367,14 +370,14 @@ class LoraBatch:
         touched = False
         for s, t0, t1 in self.segments:
             ranks = [p.slot_rank[s][layer][m] for _, m, _ in cols]
-            if not any(ranks):
+            rmax = max(ranks)
+            if not rmax:
                 continue
-            span = max(k * R + r for (k, _, _), r in zip(cols, ranks, strict=True) if r)
-            u = xs_all[t0:t1] @ af[s, :span].T  # [Ts, span]: every sub-module's shrink at once
+            u = (xs_all[t0:t1] @ af[s, : rmax * nmod].T).view(-1, rmax, nmod)  # every sub-module's shrink at once
             for (k, m, c), r in zip(cols, ranks, strict=True):
                 if r:
                     b = p.B[layer][m][s, :, :r]
-                    acc[t0:t1, c : c + b.shape[0]].addmm_(u[:, k * R : k * R + r], b.T)
+                    acc[t0:t1, c : c + b.shape[0]].addmm_(u[:, :r, k], b.T)
                     touched = True
         if touched and not same:
             out += acc

@@ -172,15 +172,21 @@ def _expected_delta(folder, layer, m, x, r, scale):
     return (x @ a.T @ b.T) * scale
 
 
-def test_batched_apply_matches_per_adapter_maths(adapters):
-    """Mixed batch (base, full8, qv2, pattern, base) through LoraBatch.add equals x A^T B^T * scaling per row."""
+@pytest.mark.parametrize("path", ["batched", "segments"])
+@pytest.mark.parametrize("max_rank", [8, 32], ids=["max-rank-8", "max-rank-32"])
+def test_batched_apply_matches_per_adapter_maths(adapters, monkeypatch, path, max_rank):
+    """Mixed batch (base, full8, qv2, pattern, base) through LoraBatch.add equals x A^T B^T * scaling per row, on
+    both apply paths, with adapters at and well below --max-lora-rank (the shrink runs at the batch's rank)."""
+    import gpu_worker.lora_pool as lp
     from gpu_worker.lora_pool import FUSED
 
-    pool = tiny_pool(slots=3, max_rank=8)
+    monkeypatch.setattr(lp.LoraBatch, "PAD_LIMIT", 1e9 if path == "batched" else -1e9)
+    pool = tiny_pool(slots=3, max_rank=max_rank)
     load(pool, adapters, "full8", "qv2", "pattern")
     uids = [None, "full8", "qv2", "pattern", None, "full8"]
     lens = [2, 3, 1, 2, 1, 2]
     batch = pool.prepare(uids, lens)
+    assert (batch._batched is not None) == (path == "batched")
     T = sum(lens)
     g = torch.Generator().manual_seed(0)
     scales = {
