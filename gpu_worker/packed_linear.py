@@ -79,22 +79,18 @@ def packing_pays(w: torch.Tensor, rows: tuple[int, ...] = (1, 32)) -> tuple[bool
     return pays, ("used" if pays else "not used") + " (" + "; ".join(parts) + ")"
 
 
-def _shares_storage(a: object, b: torch.Tensor) -> bool:
-    return isinstance(a, torch.Tensor) and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
-
-
 def pack_linears(weights: dict, names: tuple[str, ...] = ("qkv", "o", "gate_up", "down")) -> int:
-    """Replace every layer's dense ``names`` weights in ``weights["layers"]`` with :class:`PackedLinear`, in place,
-    and a separate (untied) dense ``weights["lm_head"]`` too.
+    """Replace every layer's dense ``names`` weights in ``weights["layers"]`` and a dense ``weights["lm_head"]``
+    with :class:`PackedLinear`, in place.
 
     Quantised linears and anything not a dense tensor are left as they are. Returns how many were packed. A tied
-    LM head (the table itself, or a TP rank's rows of it) stays plain: the embedding lookup reads the same table,
-    so packing it would hold those rows twice.
+    LM head (the embedding table, or a TP rank's rows of it) is packed as a copy, since the embedding lookup
+    keeps reading the plain table: that holds those rows twice (SmolLM2 in bf16: 57 MB more at TP=1), for a
+    vocabulary GEMM 1.5-2.4x faster (measured here at 1 and 32 rows; at batch 1 it is a fifth of a step).
     """
     n = 0
-    head, embed = weights.get("lm_head"), weights.get("embed")
-    tied = isinstance(embed, torch.Tensor) and head is not None and _shares_storage(head, embed)
-    if isinstance(head, torch.Tensor) and not tied:
+    head = weights.get("lm_head")
+    if isinstance(head, torch.Tensor):
         weights["lm_head"] = PackedLinear(head)
         n += 1
     for lw in weights["layers"]:

@@ -58,9 +58,10 @@ def test_pack_linears_leaves_quantised_and_other_weights_alone():
     layers = [{"qkv": torch.randn(48, 32).bfloat16(), "o": int8, "input_norm": torch.ones(32).bfloat16()}]
     table = torch.randn(10, 32).bfloat16()
     tied = {"layers": layers, "embed": table, "lm_head": table}
-    assert pack_linears(tied) == 1
+    assert pack_linears(tied) == 2
     assert isinstance(layers[0]["qkv"], PackedLinear)
     assert layers[0]["o"] is int8 and isinstance(layers[0]["input_norm"], torch.Tensor)
-    assert tied["lm_head"] is table  # a tied head is the embedding table: never held twice
-    untied = {"layers": [], "embed": table, "lm_head": torch.randn(10, 32).bfloat16()}
-    assert pack_linears(untied) == 1 and isinstance(untied["lm_head"], PackedLinear)
+    # a tied head is packed as a copy: the embedding lookup keeps the plain table
+    assert isinstance(tied["lm_head"], PackedLinear) and tied["embed"] is table
+    quantised_head = {"layers": [], "embed": table, "lm_head": int8}
+    assert pack_linears(quantised_head) == 0 and quantised_head["lm_head"] is int8
