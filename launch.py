@@ -212,8 +212,13 @@ def resolve_quantization(ns: argparse.Namespace, model_dir: Path) -> str:
 def to_server_args(ns: argparse.Namespace) -> ServerArgs:
     """Resolve the model (converting a GGUF once) and build the config tree every process gets."""
     model_dir = resolve_model_path(ns.model_path)
+    cfg = load_model_config(model_dir)  # unsupported configs fail here, before any process starts
+    if not 1 <= ns.tp_size <= cfg.num_kv_heads:  # attention is split by whole KV heads
+        raise UnsupportedModelError(
+            f"--tp-size {ns.tp_size}: this model has {cfg.num_kv_heads} KV heads, so the TP size must be 1 to "
+            f"{cfg.num_kv_heads} (each rank owns whole KV heads)"
+        )
     quantization = resolve_quantization(ns, model_dir)
-    load_model_config(model_dir)  # unsupported configs fail here, before any process starts
     if ns.zmq_endpoint.startswith("ipc://"):
         check_front_free(ns.zmq_endpoint)
     rank, targets = infer_lora_defaults(ns) if ns.enable_lora else (ns.max_lora_rank or 64, ns.lora_target_modules)

@@ -266,3 +266,18 @@ def test_generate_script_input_ids_excludes_text(capsys):
         _load_generate().main(["--text", "hi", "--input-ids", "[1]"])
     assert e.value.code == 2
     assert "not allowed with" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("quant", ["auto", "none"])
+def test_launch_refuses_a_tp_size_above_the_kv_heads_before_starting(tmp_path, quant):
+    """SmolLM2 has 3 KV heads: --tp-size 4 is one error line and exit 2, nothing started (was a traceback under
+    auto, and under none a slow start-up failure of every rank)."""
+    r = subprocess.run(
+        [sys.executable, str(REPO / "launch.py"), "--tp-size", "4", "--quantization", quant,
+         "--zmq-endpoint", f"ipc://{tmp_path}/front.sock"],
+        capture_output=True, text=True, timeout=120, cwd=tmp_path,
+    )  # fmt: skip
+    assert r.returncode == 2, r.stderr
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "--tp-size 4" in lines[0] and "3 KV heads" in lines[0], r.stderr
+    assert "Traceback" not in r.stderr and "gpu_worker" not in r.stderr
