@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-from common import ROOT, add_quantization_arg, bench_header, chat_prompts, loadavg, loom_cluster
+from common import ROOT, add_quantization_arg, bench_header, chat_prompts, loadavg, loom_cluster, median
 
 
 def assignments(n_req: int, names: list[str]) -> list[str | None]:
@@ -106,6 +106,7 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=64)
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--adapters", type=int, default=8)
+    p.add_argument("--repeats", type=int, default=3, help="Loom base and mixed runs, in turns (medians)")
     p.add_argument("--dtype", default="bfloat16")
     add_quantization_arg(p)
     p.add_argument("--tp-size", type=int, default=1)
@@ -131,8 +132,14 @@ def main() -> None:
         "--lora-paths", *[f"{n}={adapters[n]}" for n in names],
     ]  # fmt: skip
     with loom_cluster(*flags) as cluster:
-        base = loom_tps(cluster.endpoint, prompts, [None] * len(prompts), a.new_tokens)
-        mixed = loom_tps(cluster.endpoint, prompts, loras, a.new_tokens)
+        # base and mixed take turns, so both see the same machine (its speed drifts by 2x within minutes)
+        pairs = [
+            (loom_tps(cluster.endpoint, prompts, [None] * len(prompts), a.new_tokens),
+             loom_tps(cluster.endpoint, prompts, loras, a.new_tokens))
+            for _ in range(a.repeats)
+        ]  # fmt: skip
+    base, mixed = median([b for b, _ in pairs]), median([m for _, m in pairs])
+    paired = median([m / b for b, m in pairs])
     rows = [("Loom base only", base), ("Loom mixed LoRA", mixed)]
     hf = None if a.skip_peft else peft_tps(model_path, adapters, prompts, loras, a.new_tokens, a.dtype)
     if hf is not None:
@@ -144,6 +151,11 @@ def main() -> None:
         except (RuntimeError, subprocess.TimeoutExpired) as e:  # keep the figures already measured
             print(f"vLLM comparison skipped: {e}", file=sys.stderr)
     print(f"\n{a.requests} requests x {a.new_tokens} tokens, {len(names)} adapters (ranks 8-64) + base, {a.dtype}")
+    print(
+        f"Loom: medians of {a.repeats} base/mixed runs in turns; mixed / base of each pair: "
+        + ", ".join(f"{m / b:.2f}" for b, m in pairs)
+        + f" (median {paired:.2f})"
+    )
     print(f"{'':<28}{'tok/s':>10}{'/ Loom base':>13}{'Loom LoRA / it':>16}")
     for name, v in rows:
         print(f"{name:<28}{v:>10.1f}{v / base:>13.2f}{mixed / v:>16.2f}")
