@@ -126,7 +126,11 @@ def _bf16_upcast_threshold(sample: torch.Tensor) -> int:
 
 
 class LlamaShard:
-    """One TP rank's Llama. ``weights`` comes from :func:`gpu_worker.weights.load_shard`."""
+    """One TP rank's Llama. ``weights`` comes from :func:`gpu_worker.weights.load_shard`.
+
+    At TP > 1 the rank keeps only its vocabulary rows of the LM head: ``weights["lm_head"]`` is replaced in the
+    caller's dict by those rows (views, see :mod:`gpu_worker.vocab_parallel`).
+    """
 
     def __init__(self, cfg: ModelConfig, plan: ShardPlan, weights: dict, group: object | None = None) -> None:
         self.cfg = cfg

@@ -121,7 +121,9 @@ class Worker:
 
     def _pack_linears(self, weights: dict) -> bool:
         """Hold the dense half-precision linears in oneDNN's blocked layout where a start-up measurement on this
-        rank's own gate/up weight finds it faster (``gpu_worker.packed_linear``); logs the timings."""
+        rank's own gate/up weight finds it faster (``gpu_worker.packed_linear``); logs the timings. Each rank decides
+        alone: only bf16/fp16 weights are packed, whose rounding already differs across batch shapes, and a rank's
+        products enter the all-reduce the same way either way."""
         sample = weights["layers"][0].get("gate_up") if weights["layers"] else None
         if not isinstance(sample, torch.Tensor):
             return False  # quantised weights run their own kernels
