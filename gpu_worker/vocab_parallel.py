@@ -14,9 +14,7 @@ import torch
 
 from gpu_worker.quant import Int4Linear, Int8Linear
 
-# row boundaries fall on multiples of this: the 4-bit CPU kernel's packed layout interleaves rows in blocks
-# (a cut at a multiple of 64 rows reproduces the whole head's products bit for bit, measured; 16 does not)
-ROW_ALIGN = 64
+ROW_ALIGN = 64  # row boundaries fall on multiples of this, where a 4-bit head can be cut (Int4Linear.out_rows)
 
 
 def vocab_range(vocab: int, tp_size: int, rank: int) -> tuple[int, int]:
@@ -29,25 +27,9 @@ def vocab_range(vocab: int, tp_size: int, rank: int) -> tuple[int, int]:
 
 
 def head_rows(w: torch.Tensor | Int4Linear | Int8Linear, lo: int, hi: int) -> torch.Tensor | Int4Linear | Int8Linear:
-    """Rows ``[lo, hi)`` of an LM head, without copying its values (views of the same storage).
+    """Rows ``[lo, hi)`` of an LM head, sharing its values (views; a 4-bit head copies only its scales).
 
     Raises:
-        ValueError: a 4-bit head cut at a row that is not a multiple of :data:`ROW_ALIGN`, or an unknown kind.
+        QuantizationError (a ValueError): a 4-bit head cut at a row that is not a multiple of :data:`ROW_ALIGN`.
     """
-    if isinstance(w, torch.Tensor):
-        return w[lo:hi]
-    if isinstance(w, Int8Linear):
-        part = Int8Linear.__new__(Int8Linear)
-        part.q, part.scales = w.q[lo:hi], w.scales[lo:hi]
-        part.out_features, part.in_features = hi - lo, w.in_features
-        return part
-    if isinstance(w, Int4Linear):
-        if lo % ROW_ALIGN or (hi % ROW_ALIGN and hi != w.out_features):
-            raise ValueError(f"a 4-bit LM head can only be cut at multiples of {ROW_ALIGN} rows, not [{lo}, {hi})")
-        part = Int4Linear.__new__(Int4Linear)
-        pad_hi = hi if hi != w.out_features else w.packed.shape[0]  # the last share keeps the kernel's row padding
-        part.packed = w.packed[lo:pad_hi]
-        part.scales_zeros = w.scales_zeros[:, lo:pad_hi].contiguous()
-        part.out_features, part.in_features, part.dup_input = hi - lo, w.in_features, w.dup_input
-        return part
-    raise ValueError(f"cannot split an LM head of type {type(w).__name__} by vocabulary rows")
+    return w[lo:hi] if isinstance(w, torch.Tensor) else w.out_rows(lo, hi)
