@@ -37,6 +37,12 @@ def main() -> None:
     p.add_argument("--profile", action="store_true")
     p.add_argument("--slot-dtype", default="", help="force the LoRA slot dtype (default: measured at start-up)")
     p.add_argument("--lora-path", default="", choices=["", "batched", "segments"], help="force a LoRA apply path")
+    p.add_argument(
+        "--mirror",
+        default="on",
+        choices=["on", "off", "ab"],
+        help="decode KV mirror (gpu_worker/decode_mirror.py): on, off, or ab = blocks of 5 steps in turns",
+    )
     a = p.parse_args()
     import torch
 
@@ -95,12 +101,24 @@ def main() -> None:
         ]
         w.forward_logits(ForwardBatch(k + 1, reqs))
 
+    mirror = w.decode_mirror
+    if a.mirror == "off":
+        w.decode_mirror = None
     step(0)
+    by_mode: dict[str, list[float]] = {"on": [], "off": []}
     for k in range(1, a.steps + 1):
+        if a.mirror == "ab":  # the first step of an "on" block refills the mirror: not counted
+            on = (k - 1) // 5 % 2 == 0
+            w.decode_mirror = mirror if on else None
         t = time.perf_counter()
         step(k)
         times.append(time.perf_counter() - t)
+        if a.mirror == "ab" and (k - 1) % 5:
+            by_mode["on" if on else "off"].append(times[-1])
     med = statistics.median(times)
+    if a.mirror == "ab":
+        on_ms, off_ms = (statistics.median(by_mode[m]) * 1e3 for m in ("on", "off"))
+        print(f"decode KV mirror on {on_ms:.1f} ms, off {off_ms:.1f} ms per step: off/on {off_ms / on_ms:.2f}")
     print(
         f"batch {a.batch} context ~{a.context} {a.dtype} lora {a.lora} threads {torch.get_num_threads()}: "
         f"step {med * 1e3:.1f} ms (median of {a.steps}), {a.batch / med:.1f} tok/s"

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from gpu_worker.decode_mirror import MirrorUse, mirrored_kv
 from gpu_worker.kv_cache import KVCache
 from gpu_worker.packed_linear import PackedLinear
 from gpu_worker.quant import QuantLinear
@@ -42,6 +43,8 @@ class DecodeGroup:
     row's KV slots for positions ``0..L-1`` (``L`` = the group's longest history), flattened row-major.
     ``mask`` ``[G, 1, 1, L]`` bool (True = attend), None when every row has exactly ``L`` positions.
     ``every_token``: the group is the whole step, ``token_index == arange(T)`` (a pure decode step).
+    ``mirror``: read the history from the worker's :class:`~gpu_worker.decode_mirror.DecodeKVMirror` (the
+    same values, kept across steps) instead of gathering it from the paged cache.
     """
 
     token_index: torch.Tensor
@@ -49,6 +52,7 @@ class DecodeGroup:
     length: int
     mask: torch.Tensor | None
     every_token: bool = False
+    mirror: MirrorUse | None = None
 
 
 @dataclass
@@ -209,11 +213,16 @@ class LlamaShard:
         for g in s.decode_groups:
             # index_select copies whole [nkv, d] rows; advanced indexing (kc[table]) is several times slower
             n = g.token_index.shape[0]
-            kd = kc.index_select(0, g.kv_slots).view(n, g.length, self.nkv, self.d).transpose(1, 2)
-            vd = vc.index_select(0, g.kv_slots).view(n, g.length, self.nkv, self.d).transpose(1, 2)
             qd = (q if g.every_token else q[g.token_index])[:, :, None, :]  # [G, nq, 1, d]
-            if n >= self.upcast_min_rows:  # slow bf16 kernels on this CPU: attend in fp32
-                qd, kd, vd = qd.float(), kd.float(), vd.float()
+            if g.mirror is not None:
+                kn, vn = (k, v) if g.every_token else (k[g.token_index], v[g.token_index])
+                kd, vd = mirrored_kv(g.mirror, layer, kc, vc, kn, vn, g.length)
+                qd = qd.to(kd.dtype)
+            else:
+                kd = kc.index_select(0, g.kv_slots).view(n, g.length, self.nkv, self.d).transpose(1, 2)
+                vd = vc.index_select(0, g.kv_slots).view(n, g.length, self.nkv, self.d).transpose(1, 2)
+                if n >= self.upcast_min_rows:  # slow bf16 kernels on this CPU: attend in fp32
+                    qd, kd, vd = qd.float(), kd.float(), vd.float()
             od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=g.mask, scale=scale, enable_gqa=True)
             if g.every_token:  # a pure decode step in one group: no scatter into ``out``
                 return od[:, :, 0, :].to(q.dtype).reshape(q.shape[0], self.nq * self.d)

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from gpu_worker.decode_mirror import DecodeKVMirror
 from gpu_worker.kv_cache import KVCache
 from gpu_worker.logprobs import row_logprobs
 from gpu_worker.model import DecodeGroup, LlamaShard, PrefillRow, StepInputs
@@ -111,6 +112,12 @@ class Worker:
             self.dtype,
             self.device,
         )
+        # decode rows that stay the same from step to step read their KV history from a kept copy (CPU only)
+        self.decode_mirror: DecodeKVMirror | None = None
+        if self.device.type == "cpu":
+            self.decode_mirror = DecodeKVMirror(
+                self.cfg.num_layers, self.plan.num_kv_heads, self.cfg.head_dim, self.device
+            )
         self.lora = None
         if args.enable_lora:
             from gpu_worker.lora_pool import LoraPool
@@ -244,6 +251,14 @@ class Worker:
             real = n
         out: list[DecodeGroup] = []
         for g in groups:
+            mirror = None
+            if len(groups) == 1 and self.decode_mirror is not None:  # the usual steady state: one group
+                dtype = torch.float32 if len(g) >= self.model.upcast_min_rows else self.dtype
+                reqs = [fb.reqs[rows[i]] for i in g]
+                keys = [(r.rid, r.req_idx) for r in reqs]
+                mirror = self.decode_mirror.use(keys, [r.prefix_len + 1 for r in reqs], dtype)
+                if mirror is not None:
+                    g = [g[i] for i in mirror.order]  # member i reads mirror row i
             lens = [fb.reqs[rows[i]].prefix_len + 1 for i in g]
             lmax = max(lens)
             req_rows = torch.tensor([fb.reqs[rows[i]].req_idx for i in g], device=dev)
@@ -254,7 +269,9 @@ class Worker:
                 mask = (torch.arange(lmax, device=dev)[None, :] < lt[:, None])[:, None, None, :]
             index = torch.tensor([tok[i] for i in g], dtype=torch.int64, device=dev)
             every = len(groups) == 1 and len(g) == len(fb.reqs) and [tok[i] for i in g] == list(range(len(g)))
-            out.append(DecodeGroup(index, kv_slots, lmax, mask, every))
+            if mirror is not None and mirror.fill_rows is not None:
+                mirror.fill_slots = kv_slots.view(len(g), lmax).index_select(0, mirror.fill_rows).reshape(-1)
+            out.append(DecodeGroup(index, kv_slots, lmax, mask, every, mirror))
         return out
 
     def forward_logits(self, fb: ForwardBatch) -> torch.Tensor:
@@ -269,7 +286,10 @@ class Worker:
             applier = self.lora.prepare([r.lora_uid for r in fb.reqs], s.ext_lens)
         elif any(r.lora_uid is not None for r in fb.reqs):
             raise WorkerError("a request names a LoRA adapter but LoRA is not enabled (--enable-lora)")
-        return self.model.forward(s, self.kv, applier)
+        logits = self.model.forward(s, self.kv, applier)
+        if self.decode_mirror is not None and any(g.mirror is not None for g in s.decode_groups):
+            self.decode_mirror.commit()  # only now: a step that raised leaves the mirror invalid
+        return logits
 
     def step(self, fb: ForwardBatch) -> StepResult:
         """Run one step; rank 0 samples one token per request (other ranks return no tokens)."""
