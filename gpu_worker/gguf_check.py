@@ -27,12 +27,11 @@ def gguf_unservable(model_dir: str | Path, tp_size: int) -> str | None:
         path = gguf_source(model_dir)
     except ModelSourceError as e:
         return str(e)
-    from gguf import GGUFReader
+    from ipc.gguf_index import gguf_tensors
 
     cfg = load_model_config(model_dir)
-    reader = GGUFReader(str(path))
     kinds = {}
-    for t in reader.tensors:
+    for t in gguf_tensors(path):
         kind = t.tensor_type.name
         if hf_tensor_name(t.name) is not None and kind not in SERVABLE_TYPES:
             return (

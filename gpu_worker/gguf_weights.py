@@ -15,7 +15,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from gguf import GGUFReader
 
 from gpu_worker.quant import (
     GROUP,
@@ -28,6 +27,7 @@ from gpu_worker.quant import (
 )
 from gpu_worker.tp_plan import ShardPlan
 from ipc.gguf_convert import _unpermute_rope_rows, hf_shape
+from ipc.gguf_index import gguf_tensors
 from ipc.model_config import ModelConfig
 
 _DENSE = ("F32", "F16", "BF16")
@@ -90,8 +90,7 @@ def _dequant(p: _Part) -> np.ndarray:
 class _Reader:
     def __init__(self, path: Path) -> None:
         self.path = path
-        self.reader = GGUFReader(str(path))
-        self.tensors = {t.name: t for t in self.reader.tensors}
+        self.tensors = {t.name: t for t in gguf_tensors(path)}  # the directory is cached: no metadata parse
 
     def part(self, name: str, shape: tuple[int, ...]) -> _Part:
         t = self.tensors.get(name)
