@@ -52,8 +52,9 @@ class MirrorUse:
 class DecodeKVMirror:
     """K and V buffers ``[rows_cap, kv_heads, len_cap, head_dim]`` per layer, one row per decode request.
 
-    Buffers are zero-filled when (re)allocated, so positions past a row's length always hold finite values
-    (masked attention multiplies them by zero; garbage could be NaN). Not thread-safe; one per worker.
+    Positions past a row's history always hold zeros or that request's own padding (zero-filled buffers, a
+    filled row zeroed past its history, padding read from the cache's all-zero slot): masked attention still
+    multiplies them by zero, and a previous occupant's inf there would make NaN. Not thread-safe; one per worker.
     """
 
     def __init__(
@@ -171,6 +172,8 @@ def mirrored_kv(
         if use.fill_rows is not None:
             hist = cache.index_select(0, use.fill_slots).view(-1, length, m.kv_heads, m.head_dim).transpose(1, 2)
             buf[:, :, :length].index_copy_(0, use.fill_rows, hist.to(buf.dtype))
+            if length < buf.shape[2]:  # a previous occupant's values past the history (maybe inf) must not stay
+                buf[:, :, length:].index_fill_(0, use.fill_rows, 0)
         if use.append_flat is not None:  # one index_copy_ of [head_dim] vectors: the cheapest write found
             rows = new if use.all_append else new.index_select(0, use.append_rows)
             buf.view(-1, m.head_dim).index_copy_(0, use.append_flat, rows.reshape(-1, m.head_dim).to(buf.dtype))

@@ -14,6 +14,11 @@ class KVCache:
 
     ``req_to_token[req_idx, pos]`` (int64, ``[max_running, context_len]``) is the slot holding position
     ``pos`` of the request in row ``req_idx``.
+
+    The tensors hold one slot more than ``num_slots``: ``null_slot`` (= ``num_slots``) stays all zeros, is never
+    handed out, and is what padded positions of a decode group read. A padded position that read some other
+    request's slot could meet an infinite K or V there (an adapter whose activations overflow), and a mask's
+    zero weight times inf is NaN: another request's output would fail.
     """
 
     def __init__(
@@ -28,8 +33,10 @@ class KVCache:
         device: torch.device,
     ) -> None:
         self.num_slots = num_slots
-        self.k = [torch.zeros(num_slots, kv_heads, head_dim, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(num_slots, kv_heads, head_dim, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.null_slot = num_slots
+        shape = (num_slots + 1, kv_heads, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.req_to_token = torch.zeros(max_running, context_len, dtype=torch.int64, device=device)
 
     @staticmethod

@@ -195,6 +195,9 @@ class Worker:
                 raise WorkerError(f"request {r.rid}: {n} tokens but {len(r.out_slots)} KV slots")
             if r.prefix_len + n > self.context_len:
                 raise WorkerError(f"request {r.rid}: {r.prefix_len + n} tokens exceed context {self.context_len}")
+            bad = [x for x in (*r.out_slots, *r.prefix_slots) if not 0 <= x < self.kv.num_slots]
+            if bad:
+                raise WorkerError(f"request {r.rid}: KV slot {bad[0]} outside 0..{self.kv.num_slots - 1}")
             if r.prefix_slots:  # a prefix from the scheduler's prefix cache: point the row at its slots
                 if len(r.prefix_slots) != r.prefix_len:
                     raise WorkerError(f"request {r.rid}: {len(r.prefix_slots)} prefix slots for {r.prefix_len}")
@@ -262,11 +265,15 @@ class Worker:
             lens = [fb.reqs[rows[i]].prefix_len + 1 for i in g]
             lmax = max(lens)
             req_rows = torch.tensor([fb.reqs[rows[i]].req_idx for i in g], device=dev)
-            kv_slots = self.kv.req_to_token[req_rows, :lmax].reshape(-1)
+            kv_slots = self.kv.req_to_token[req_rows, :lmax]
             mask = None
             if min(lens) != lmax:
                 lt = torch.tensor(lens, device=dev)
-                mask = (torch.arange(lmax, device=dev)[None, :] < lt[:, None])[:, None, None, :]
+                valid = torch.arange(lmax, device=dev)[None, :] < lt[:, None]  # [G, L]
+                mask = valid[:, None, None, :]
+                # padding reads the all-zero slot, never a stale slot another request may have filled with inf
+                kv_slots = kv_slots.masked_fill(~valid, self.kv.null_slot)
+            kv_slots = kv_slots.reshape(-1)
             index = torch.tensor([tok[i] for i in g], dtype=torch.int64, device=dev)
             every = len(groups) == 1 and len(g) == len(fb.reqs) and [tok[i] for i in g] == list(range(len(g)))
             if mirror is not None and mirror.fill_rows is not None:

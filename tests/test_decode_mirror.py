@@ -127,3 +127,71 @@ def test_logits_equal_the_paged_gather_through_churn(model_path, dtype, monkeypa
     for k, plan in enumerate(plans):
         plain = w.forward_logits(ForwardBatch(k + 1, plan))
         assert torch.equal(plain, with_mirror[k]), (k, (plain - with_mirror[k]).abs().max().item())
+
+
+@pytest.mark.parametrize("mirror", [True, False])
+def test_a_finished_requests_inf_kv_never_reaches_the_next_rows_padding(model_path, mirror):
+    """An adapter whose activations overflow leaves inf in its KV. A later request in its row (and mirror row),
+    decoding next to a longer one, must not read that inf through its padded positions: 0 x inf is NaN."""
+    from gpu_worker.worker import Worker
+
+    w = Worker(make_args(model_path, max_total_tokens=4096))
+    if not mirror:
+        w.decode_mirror = None
+    rng = random.Random(1)
+    h_ids, p_ids, n_ids = ([rng.randrange(100, 30000) for _ in range(n)] for n in (60, 80, 10))
+    h_slots, p_slots, n_slots = list(range(0, 70)), list(range(100, 190)), list(range(300, 320))
+
+    def run(poison: bool) -> list[torch.Tensor]:
+        out = []
+        w.forward_logits(
+            ForwardBatch(
+                1,
+                [
+                    BatchReq("h", 0, h_ids, 0, h_slots[:60], None, GREEDY),
+                    BatchReq("p", 1, p_ids, 0, p_slots[:80], None, GREEDY),
+                ],
+            )
+        )
+        if poison:
+            for layer in range(len(w.kv.k)):
+                w.kv.k[layer][h_slots[:60]] = float("inf")
+                w.kv.v[layer][h_slots[:60]] = float("inf")
+        w.forward_logits(
+            ForwardBatch(
+                2,
+                [
+                    BatchReq("h", 0, [7], 60, [h_slots[60]], None, GREEDY, 1),
+                    BatchReq("p", 1, [7], 80, [p_slots[80]], None, GREEDY, 1),
+                ],
+            )
+        )
+        out.append(  # h finished; n takes its row 0 while p decodes
+            w.forward_logits(
+                ForwardBatch(
+                    3,
+                    [
+                        BatchReq("n", 0, n_ids, 0, n_slots[:10], None, GREEDY),
+                        BatchReq("p", 1, [8], 81, [p_slots[81]], None, GREEDY, 2),
+                    ],
+                )
+            ).clone()
+        )
+        out.append(  # n (11 positions) and p (82) decode in one group: n's positions 11..81 are padding
+            w.forward_logits(
+                ForwardBatch(
+                    4,
+                    [
+                        BatchReq("n", 0, [9], 10, [n_slots[10]], None, GREEDY, 1),
+                        BatchReq("p", 1, [9], 82, [p_slots[82]], None, GREEDY, 3),
+                    ],
+                )
+            ).clone()
+        )
+        return out
+
+    clean = run(poison=False)
+    poisoned = run(poison=True)
+    for a, b in zip(clean, poisoned, strict=True):
+        assert torch.isfinite(b).all()
+        assert torch.equal(a, b)
