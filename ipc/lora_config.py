@@ -28,6 +28,7 @@ CONFIG_FILE = "adapter_config.json"
 DEFAULT_SERVED_MODEL_NAME = "SmolLM2-135M-Instruct"  # the base model's id when --served-model-name is not given
 MODEL_ADAPTER_SEPARATOR = ":"  # a request's model may be ``BASE:ADAPTER``
 WEIGHTS_FILE = "adapter_model.safetensors"
+MAX_ADAPTER_NAME = 128  # characters
 
 
 class LoraConfigError(ValueError):
@@ -267,7 +268,8 @@ def adapter_name_problem(name: str, served_model_name: str = "") -> str | None:
     Every entry point that loads adapters (HTTP ``/load_lora_adapter``, ZMQ ``LoadLoraReq``, ``--lora-paths``)
     checks names through this one function, so a request's ``model`` always names one thing: a name must be
     non-empty, have no leading or trailing whitespace, contain no ``/`` and no ``:`` (the ``BASE:ADAPTER``
-    separator), and differ from the served model's name (the base model's id).
+    separator), no ``,`` and no control characters, be at most ``MAX_ADAPTER_NAME`` characters, and differ
+    from the served model's name (the base model's id).
     """
     if not name.strip():
         return f"LoRA adapter name {name!r} is empty or only whitespace; give the adapter a name"
@@ -275,6 +277,12 @@ def adapter_name_problem(name: str, served_model_name: str = "") -> str | None:
         return f"LoRA adapter name {name!r} has leading or trailing whitespace"
     if "/" in name:
         return f"LoRA adapter name {name!r} contains '/'"
+    if len(name) > MAX_ADAPTER_NAME:
+        return f"LoRA adapter name {name[:40]!r}... is {len(name)} characters long; at most {MAX_ADAPTER_NAME}"
+    bad = next((c for c in name if c == "," or not c.isprintable()), None)
+    if bad is not None:
+        # commas join names in the vllm:lora_requests_info labels gateways parse; control characters break logs
+        return f"LoRA adapter name {name!r} contains {bad!r}: use printable characters other than ','"
     if MODEL_ADAPTER_SEPARATOR in name:
         return (
             f"LoRA adapter name {name!r} contains {MODEL_ADAPTER_SEPARATOR!r}, which separates BASE:ADAPTER in a "

@@ -154,6 +154,19 @@ def test_symlink_escaping_root_refused(client, root, tmp_path):
         (root / "escape").unlink()
 
 
+def test_file_link_escaping_root_refused(client, root, tmp_path):
+    """The folder is inside the root, but its weights file links to a file outside it."""
+    shutil.copytree(real_adapters()["r8-all"], tmp_path / "outside")
+    (root / "filelink").mkdir()
+    try:
+        shutil.copyfile(tmp_path / "outside" / "adapter_config.json", root / "filelink" / "adapter_config.json")
+        (root / "filelink" / "adapter_model.safetensors").symlink_to(tmp_path / "outside" / "adapter_model.safetensors")
+        msg = _refused(client, "filelink", root / "filelink")
+        assert "adapter_model.safetensors links to" in msg and "outside the allowed root" in msg, msg
+    finally:
+        shutil.rmtree(root / "filelink")
+
+
 def test_server_still_serves_after_refusals(client):
     for case, folder, _ in CASES:  # every refusal again, back to back, then real work
         with pytest.raises(LoomError):

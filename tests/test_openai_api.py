@@ -84,6 +84,10 @@ def test_models_lists_the_base_and_adapters_with_their_parent(client: openai.Ope
     assert cards[base]["parent"] is None and cards[base]["object"] == "model"
     assert cards["a"]["parent"] == base and cards["b"]["parent"] == base
     assert cards["a"]["root"].endswith("r8-all")
+    assert client.models.retrieve("a").to_dict() == cards["a"]  # GET /v1/models/{id}
+    assert client.models.retrieve(base).to_dict() == cards[base]
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.models.retrieve("nope")
 
 
 def test_chat_and_completions_on_the_base_model(cluster: ClusterHandle, client: openai.OpenAI, base: str) -> None:
@@ -97,6 +101,10 @@ def test_chat_and_completions_on_the_base_model(cluster: ClusterHandle, client: 
     ref = greedy_native(cluster, None, text="The quick brown fox")
     assert done.choices[0].text == ref["text"] and done.choices[0].finish_reason == "length"
     assert done.usage.prompt_tokens == ref["meta_info"]["prompt_tokens"] and done.usage.completion_tokens == 16
+    # "n": null is OpenAI's default (one choice)
+    body = {"model": base, "prompt": "The quick brown fox", "temperature": 0, "max_tokens": 16, "n": None}
+    status, out = native(cluster, "/v1/completions", body)
+    assert status == 200 and [c["text"] for c in out["choices"]] == [ref["text"]], out
 
 
 @pytest.mark.parametrize("adapter", ["a", "b"])

@@ -258,6 +258,9 @@ def test_adapter_names_are_checked_by_one_function() -> None:
         ("a\t", "leading or trailing whitespace"),
         ("a/b", "'/'"),
         ("a:b", "separates BASE:ADAPTER"),
+        ("com,ma", "other than ','"),
+        ("new\nline", "other than ','"),
+        ("x" * 129, "at most 128"),
         (base, "served model's name"),
     ):
         problem = adapter_name_problem(name, base)
@@ -265,6 +268,7 @@ def test_adapter_names_are_checked_by_one_function() -> None:
         with pytest.raises(AdapterRefused, match="LoRA adapter name"):
             LoraRegistry(served_model_name=base).check_adapter(name, "/nonexistent")
     assert adapter_name_problem("my-adapter_2.v1", base) is None
+    assert adapter_name_problem("x" * 128, base) is None and adapter_name_problem("é-adapter", base) is None
     assert adapter_name_problem(base, "") is None  # no served name known: nothing to clash with
 
 
@@ -419,3 +423,18 @@ def test_context_length_errors_say_max_tokens_and_its_value(model_path) -> None:
         assert not sent
 
     asyncio.run(run())
+
+
+def test_more_choices_than_the_server_ever_queues_is_a_400_not_a_503() -> None:
+    from types import SimpleNamespace
+
+    from tokenizer_proc.http_io import HttpError
+    from tokenizer_proc.openai_routes import OpenAIRoutes
+
+    routes = OpenAIRoutes.__new__(OpenAIRoutes)
+    routes.door = SimpleNamespace(max_queued=3)
+    routes._check_choices(3, "n=3")
+    with pytest.raises(HttpError) as e:
+        routes._check_choices(4, "n=4")
+    assert e.value.status == 400 and "n=4 asks for 4 generations" in str(e.value)
+    assert "--max-queued-requests 3" in str(e.value)

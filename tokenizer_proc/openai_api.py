@@ -55,11 +55,15 @@ class ChatMessageIn(msgspec.Struct, forbid_unknown_fields=True):
 class _Common(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Fields shared by chat and completions requests."""
 
+    def __post_init__(self) -> None:
+        if self.n is None:
+            self.n = 1
+
     model: str
     max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
-    n: int = 1
+    n: int | None = 1  # null means the default, as in OpenAI's schema
     stop: str | list[str] | None = None
     seed: int | None = None
     stream: bool = False

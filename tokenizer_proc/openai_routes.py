@@ -125,13 +125,13 @@ class OpenAIRoutes:
         g = guarded(error_response)
         return [
             Route("/v1/models", g(self.models), methods=["GET"]),
+            Route("/v1/models/{model:path}", g(self.model), methods=["GET"]),
             Route("/v1/chat/completions", g(self.chat), methods=["POST"]),
             Route("/v1/completions", g(self.completions), methods=["POST"]),
         ]
 
     # ------------------------------------------------------------------ /v1/models
-    async def models(self, request: Request) -> Response:
-        """``GET /v1/models``: the base model and every adapter a request may name (``parent`` = the base)."""
+    def _cards(self) -> list[oa.ModelCard]:
         door = self.door
         reg = door.registry
         cards = [oa.ModelCard(self.base_id, self.created, door.args.model_path, None, door.context_len)]
@@ -139,7 +139,19 @@ class OpenAIRoutes:
         paths.update({name: ref[0] for name, ref in reg.refs.items() if name not in paths})
         for name in sorted(paths):
             cards.append(oa.ModelCard(name, self.created, paths[name], self.base_id, door.context_len))
-        return json_response(200, oa.ModelList(cards))
+        return cards
+
+    async def models(self, request: Request) -> Response:
+        """``GET /v1/models``: the base model and every adapter a request may name (``parent`` = the base)."""
+        return json_response(200, oa.ModelList(self._cards()))
+
+    async def model(self, request: Request) -> Response:
+        """``GET /v1/models/{model}``: one entry of the list; 404 ``model_not_found`` for any other id."""
+        model = request.path_params["model"]
+        for card in self._cards():
+            if card.id == model:
+                return json_response(200, card)
+        raise HttpError(404, f"The model `{model}` does not exist", param="model")
 
     # ------------------------------------------------------------------ requests
     def _adapter(self, model: str) -> str | None:
@@ -193,6 +205,17 @@ class OpenAIRoutes:
         if self.door.health.draining is not None:
             raise HttpError(503, self.door.health.draining)
 
+    def _check_choices(self, count: int, what: str) -> None:
+        """400 when one call asks for more generations than the server ever queues: a 503 "retry later" would
+        be retried in vain."""
+        if count > self.door.max_queued:
+            raise HttpError(
+                400,
+                f"{what} asks for {count} generations, more than the server ever queues at once "
+                f"(--max-queued-requests {self.door.max_queued})",
+                param="n",
+            )
+
     def _requests(
         self,
         req: oa.ChatCompletionRequest | oa.CompletionRequest,
@@ -222,6 +245,7 @@ class OpenAIRoutes:
         req: oa.ChatCompletionRequest = oa.decode_request(await read_body(request), oa.ChatCompletionRequest)
         oa.check_supported(req)
         self._check_admitting()
+        self._check_choices(req.n or 1, f"n={req.n}")
         self._adapter(req.model)  # an unknown model fails before the prompt is tokenized
         messages = [ChatMessage(m["role"], m["content"]) for m in oa.chat_messages(req)]
         limit = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
@@ -259,6 +283,8 @@ class OpenAIRoutes:
         limits = Limits("max_tokens", limit, "prompt", note)
         self._check_sampling(req, limits)
         given = oa.completion_prompts(req)
+        what = f"n={req.n}" if len(given) == 1 else f"n={req.n} for each of {len(given)} prompts"
+        self._check_choices(len(given) * (req.n or 1), what)
         prompts = []
         for j, p in enumerate(given):
             ids = p if isinstance(p, list) else await self._tokenize(limits, text=p)

@@ -24,7 +24,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from ipc.lora_config import LoraConfigError, adapter_name_problem, never_loaded_message, read_adapter_config
+from ipc.lora_config import (
+    CONFIG_FILE,
+    WEIGHTS_FILE,
+    LoraConfigError,
+    adapter_name_problem,
+    never_loaded_message,
+    read_adapter_config,
+)
 
 State = Literal["gone", "known", "loading", "loaded", "unloading"]
 Kind = Literal["load", "reload", "restore", "unload", "evict"]
@@ -172,6 +179,13 @@ class LoraRegistry:
         p = Path(path).expanduser().resolve()
         if self.root is not None and not p.is_relative_to(self.root):
             raise AdapterRefused(f"LoRA adapter {name}: path {path} is outside the allowed root {self.root}")
+        if self.root is not None:  # a file inside the folder may still be a link to elsewhere
+            for f in (CONFIG_FILE, WEIGHTS_FILE):
+                target = (p / f).resolve()
+                if not target.is_relative_to(self.root):
+                    raise AdapterRefused(
+                        f"LoRA adapter {name}: {p / f} links to {target}, outside the allowed root {self.root}"
+                    )
         try:
             cfg = read_adapter_config(p, name, tie_word_embeddings=self.tied)
         except LoraConfigError as e:
