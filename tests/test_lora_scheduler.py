@@ -224,3 +224,24 @@ def test_pinned_load_waits_until_running_adapters_fit(tmp_path):
             assert "c" not in {r.lora_uid for r in reqs}
     assert sent_when_running == [["b"]]  # sent once "a" finished
     assert pool.host["p"].pinned and "p" in pool.uid_slot and not s.has_work
+
+
+def test_zipf_traffic_rows_are_bounded_by_slots_not_by_concurrency():
+    """bench/admission_sim.py's model: 32 requests in flight over 1,000 Zipf adapters name ~25 distinct ones,
+    so 8 slots run far fewer than 32 rows while 32 slots run them all; 8 adapters always run all 32."""
+    import argparse
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+    from admission_sim import simulate
+
+    a = argparse.Namespace(
+        requests=96, concurrency=32, new_tokens=16, prompt_tokens=8, zipf_alpha=1.0, starvation_steps=64,
+        step_base_ms=24.0, step_row_ms=1.0,
+    )  # fmt: skip
+    _, rows_few, _ = simulate(a, 8, 8)
+    _, rows_many8, in_flight = simulate(a, 1000, 8)
+    _, rows_many32, _ = simulate(a, 1000, 32)
+    assert rows_few == 32.0 and rows_many32 == 32.0
+    assert in_flight > 16 and rows_many8 < 16, (rows_many8, in_flight)
