@@ -140,6 +140,12 @@ class DecodeKVMirror:
             len(appends) == n,
         )
 
+    def forget(self, rids: set[str]) -> None:
+        """Drop the rows of requests being (re)prefilled: a request re-admitted under its old id after a restart
+        must never find its old row, even where its new length happens to be the old one plus one."""
+        if rids and self._valid:
+            self._valid = {k: v for k, v in self._valid.items() if k[0] not in rids}
+
     def commit(self) -> None:
         """The step's forward completed: the buffers now hold the planned rows' histories."""
         self._valid, self._pending = self._pending, {}

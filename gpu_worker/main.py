@@ -141,6 +141,8 @@ def main() -> None:
                 reply = worker.unload_lora(msg)
             elif isinstance(msg, SchedulerHello):  # a restarted scheduler: register again (KV contents are void)
                 log.info("scheduler %s asks to register; sending READY", msg.incarnation[:12])
+                if worker.decode_mirror is not None:
+                    worker.decode_mirror.release()  # its requests are gone with the old scheduler
                 reply = worker.ready()
             elif isinstance(msg, WorkerPing):
                 reply = WorkerPong(msg.op_id, rank, epoch=ns.epoch)

@@ -220,6 +220,9 @@ class Worker:
             pos.extend(range(r.prefix_len, r.prefix_len + n))
             slots.extend(r.out_slots)
             last.append(len(ids) - 1)
+        if self.decode_mirror is not None and len(decode_rows) < len(fb.reqs):
+            decoding = set(decode_rows)
+            self.decode_mirror.forget({r.rid for b, r in enumerate(fb.reqs) if b not in decoding})
         groups = self._decode_groups(fb, decode_rows, decode_tok)
         return StepInputs(
             input_ids=torch.tensor(ids, dtype=torch.int64, device=dev),

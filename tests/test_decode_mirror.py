@@ -41,6 +41,11 @@ def test_row_plan_keeps_rows_moves_last_rows_into_holes_and_fills_newcomers():
     # the same request id in another row (re-admitted) is a different request to the mirror
     u = m.use([("a", 5), ("c", 2), ("d", 3)], [9, 14, 6], torch.float32)
     assert u.fill_rows.tolist() == [0] and u.append_rows.tolist() == [1, 2]
+    m.commit()
+    # a request being prefilled again (re-admitted after a restart) loses its row even if its length would fit
+    m.forget({"c"})
+    u = m.use([("a", 5), ("c", 2), ("d", 3)], [10, 15, 7], torch.float32)
+    assert u.fill_rows.tolist() == [1] and u.append_rows.tolist() == [0, 2]
 
 
 def test_size_cap_falls_back_to_none():
