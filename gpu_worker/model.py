@@ -189,45 +189,56 @@ class LlamaShard:
 
     def _attention(self, s: StepInputs, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: KVCache, layer: int):
         """q ``[T, nq, d]``, k/v ``[T, nkv, d]`` (already written to the cache) -> ``[T, nq*d]``."""
+        t, width = q.shape[0], self.nq * self.d
+        if not s.prefill_rows and len(s.decode_groups) == 1 and s.decode_groups[0].every_token:
+            return self._decode_attention(s.decode_groups[0], q, k, v, kv, layer).reshape(t, width)  # pure decode
         out = torch.empty_like(q)
-        kc, vc = kv.k[layer], kv.v[layer]
-        scale = 1.0 / math.sqrt(self.d)
         for r in s.prefill_rows:
-            offset, ext = r.offset, r.new_tokens
-            qb = q[offset : offset + ext].transpose(0, 1)  # [nq, ext, d]
-            mask = r.mask
-            if r.kv_slots is None:
-                kb, vb = k[offset : offset + ext], v[offset : offset + ext]
-            else:
-                kb, vb = kc.index_select(0, r.kv_slots), vc.index_select(0, r.kv_slots)
-            ob = F.scaled_dot_product_attention(
-                qb[None],
-                kb.transpose(0, 1)[None],
-                vb.transpose(0, 1)[None],
-                attn_mask=mask,
-                is_causal=mask is None,
-                scale=scale,
-                enable_gqa=True,
-            )
-            out[offset : offset + ext] = ob[0].transpose(0, 1)
+            out[r.offset : r.offset + r.new_tokens] = self._extend_attention(r, q, k, v, kv, layer)
         for g in s.decode_groups:
-            # index_select copies whole [nkv, d] rows; advanced indexing (kc[table]) is several times slower
-            n = g.token_index.shape[0]
-            qd = (q if g.every_token else q[g.token_index])[:, :, None, :]  # [G, nq, 1, d]
-            if g.mirror is not None:
-                kn, vn = (k, v) if g.every_token else (k[g.token_index], v[g.token_index])
-                kd, vd = mirrored_kv(g.mirror, layer, kc, vc, kn, vn, g.length)
-                qd = qd.to(kd.dtype)
-            else:
-                kd = kc.index_select(0, g.kv_slots).view(n, g.length, self.nkv, self.d).transpose(1, 2)
-                vd = vc.index_select(0, g.kv_slots).view(n, g.length, self.nkv, self.d).transpose(1, 2)
-                if n >= self.upcast_min_rows:  # slow bf16 kernels on this CPU: attend in fp32
-                    qd, kd, vd = qd.float(), kd.float(), vd.float()
-            od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=g.mask, scale=scale, enable_gqa=True)
-            if g.every_token:  # a pure decode step in one group: no scatter into ``out``
-                return od[:, :, 0, :].to(q.dtype).reshape(q.shape[0], self.nq * self.d)
-            out[g.token_index] = od[:, :, 0, :].to(out.dtype)
-        return out.reshape(q.shape[0], self.nq * self.d)
+            out[g.token_index] = self._decode_attention(g, q, k, v, kv, layer)
+        return out.reshape(t, width)
+
+    def _extend_attention(
+        self, r: PrefillRow, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: KVCache, layer: int
+    ) -> torch.Tensor:
+        """A prefill row's new tokens attending causally to themselves (and its cached prefix) -> ``[ext, nq, d]``."""
+        offset, ext = r.offset, r.new_tokens
+        qb = q[offset : offset + ext].transpose(0, 1)  # [nq, ext, d]
+        if r.kv_slots is None:
+            kb, vb = k[offset : offset + ext], v[offset : offset + ext]
+        else:
+            kb, vb = kv.k[layer].index_select(0, r.kv_slots), kv.v[layer].index_select(0, r.kv_slots)
+        ob = F.scaled_dot_product_attention(
+            qb[None],
+            kb.transpose(0, 1)[None],
+            vb.transpose(0, 1)[None],
+            attn_mask=r.mask,
+            is_causal=r.mask is None,
+            scale=1.0 / math.sqrt(self.d),
+            enable_gqa=True,
+        )
+        return ob[0].transpose(0, 1)
+
+    def _decode_attention(
+        self, g: DecodeGroup, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: KVCache, layer: int
+    ) -> torch.Tensor:
+        """A decode group's one new token per row attending to each row's history -> ``[G, nq, d]`` (row order)."""
+        kc, vc = kv.k[layer], kv.v[layer]
+        n = g.token_index.shape[0]
+        qd = (q if g.every_token else q[g.token_index])[:, :, None, :]  # [G, nq, 1, d]
+        if g.mirror is not None:
+            kn, vn = (k, v) if g.every_token else (k[g.token_index], v[g.token_index])
+            kd, vd = mirrored_kv(g.mirror, layer, kc, vc, kn, vn, g.length)
+            qd = qd.to(kd.dtype)
+        else:  # index_select copies whole [nkv, d] rows; advanced indexing (kc[table]) is several times slower
+            kd = kc.index_select(0, g.kv_slots).view(n, g.length, self.nkv, self.d).transpose(1, 2)
+            vd = vc.index_select(0, g.kv_slots).view(n, g.length, self.nkv, self.d).transpose(1, 2)
+            if n >= self.upcast_min_rows:  # slow bf16 kernels on this CPU: attend in fp32
+                qd, kd, vd = qd.float(), kd.float(), vd.float()
+        scale = 1.0 / math.sqrt(self.d)
+        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=g.mask, scale=scale, enable_gqa=True)
+        return od[:, :, 0, :].to(q.dtype)
 
     @torch.inference_mode()
     def forward(self, s: StepInputs, kv: KVCache, lora: LoraApplier | None = None) -> torch.Tensor:
