@@ -112,6 +112,7 @@ def main() -> None:
         return
     except Exception as e:  # noqa: BLE001 - report any start-up failure to the launcher, then exit non-zero
         log.error("start-up failed: %s", traceback.format_exc())
+        begin_cleanup(args)  # the launcher's SIGTERM, which follows our report, must not interrupt the exit
         failed(ctx, args.endpoints.control, name, f"{type(e).__name__}: {e}")
         ctx.destroy(0)
         raise SystemExit(1) from None

@@ -102,16 +102,24 @@ class Worker:
         release_freed_memory()
         self.context_len = args.context_length or self.cfg.max_position_embeddings
         cap = kv_capacity_tokens(args, self.cfg, self.plan.num_kv_heads, self.dtype, self.device)
-        self.kv = KVCache(
-            self.cfg.num_layers,
-            cap,
-            self.plan.num_kv_heads,
-            self.cfg.head_dim,
-            args.max_running_requests,
-            self.context_len,
-            self.dtype,
-            self.device,
-        )
+        try:
+            self.kv = KVCache(
+                self.cfg.num_layers,
+                cap,
+                self.plan.num_kv_heads,
+                self.cfg.head_dim,
+                args.max_running_requests,
+                self.context_len,
+                self.dtype,
+                self.device,
+            )
+        except (RuntimeError, MemoryError) as e:  # CPU allocator or CUDA OOM: say which setting asked for it
+            cfg, heads = self.cfg, self.plan.num_kv_heads
+            need = cap * KVCache.bytes_per_token(cfg.num_layers, heads, cfg.head_dim, self.dtype)
+            raise WorkerError(
+                f"the KV cache for {cap} tokens needs {need / 2**30:.1f} GiB on TP rank {rank} ({self.device}) and "
+                f"could not be allocated: lower --max-total-tokens ({type(e).__name__}: {str(e)[:200]})"
+            ) from None
         # decode rows that stay the same from step to step read their KV history from a kept copy (CPU only)
         self.decode_mirror: DecodeKVMirror | None = None
         if self.device.type == "cpu":

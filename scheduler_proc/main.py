@@ -511,6 +511,7 @@ def main() -> None:
         return
     except Exception as e:  # noqa: BLE001 - report start-up failures to the launcher
         log.error("start-up failed: %s", traceback.format_exc())
+        begin_cleanup(args)  # the launcher's SIGTERM, which follows our report, must not interrupt the exit
         failed(ctx, args.endpoints.control, "scheduler_proc", f"{type(e).__name__}: {e}")
         ctx.destroy(0)
         raise SystemExit(1) from None

@@ -281,3 +281,19 @@ def test_launch_refuses_a_tp_size_above_the_kv_heads_before_starting(tmp_path, q
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and "--tp-size 4" in lines[0] and "3 KV heads" in lines[0], r.stderr
     assert "Traceback" not in r.stderr and "gpu_worker" not in r.stderr
+
+
+def test_a_worker_start_up_failure_stops_the_cluster_promptly_with_one_clear_reason(tmp_path):
+    """A KV cache that cannot be allocated (larger than any address space): the worker names the setting and
+    the size, the launcher exits non-zero, and nothing waits for its kill timeout (the front door used to sit in
+    its scheduler sync until SIGKILLed 10 s later, and the worker's exit printed a second, chained traceback)."""
+    r = subprocess.run(
+        [sys.executable, str(REPO / "launch.py"), "--max-total-tokens", "1000000000000", "--quantization", "none",
+         "--zmq-endpoint", f"ipc://{tmp_path}/front.sock"],
+        capture_output=True, text=True, timeout=120, cwd=tmp_path,
+    )  # fmt: skip
+    out = r.stdout + r.stderr
+    assert r.returncode != 0
+    assert "the KV cache for 1000000000000 tokens needs" in out and "lower --max-total-tokens" in out, out[-3000:]
+    assert "did not stop" not in out and "During handling of the above exception" not in out, out[-3000:]
+    assert not list(tmp_path.glob("*.sock"))

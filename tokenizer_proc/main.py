@@ -440,6 +440,8 @@ class FrontDoorServer:
         hello = FrontDoorHello(uuid.uuid4().hex)
         deadline = time.monotonic() + self.args.ready_timeout_s
         while not self.door.synced.is_set():
+            if self.stop.is_set():  # the cluster stops before it ever came up (e.g. a worker failed to start)
+                return
             if time.monotonic() > deadline:
                 raise TimeoutError(f"the scheduler did not answer in {self.args.ready_timeout_s} s")
             self._send_sched(hello)
@@ -466,6 +468,10 @@ class FrontDoorServer:
         # beat from the start: a front door that hangs while it syncs is found and restarted too
         tasks = [asyncio.ensure_future(self.serve_scheduler()), asyncio.ensure_future(self.beat())]
         await self.sync_with_scheduler()
+        if self.stop.is_set():
+            for t in tasks:
+                t.cancel()
+            return
         await self.load_initial_adapters()
         self.router = make_socket(
             self.ctx,
