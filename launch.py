@@ -34,6 +34,7 @@ import zmq
 from ipc.codec import Codec, WireError
 from ipc.config import (
     DEFAULT_CHUNKED_PREFILL_SIZE,
+    DEFAULT_DECODE_MIRROR_MB,
     DEFAULT_MAX_PREFILL_TOKENS,
     LoraSpec,
     ServerArgs,
@@ -149,6 +150,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="most prefill tokens in a step that runs no decode (no stream to keep smooth): a burst of prompts "
         "is prefilled in one step instead of --chunked-prefill-size at a time",
     )
+    a(
+        "--decode-mirror-mb",
+        type=int,
+        default=DEFAULT_DECODE_MIRROR_MB,
+        help="MiB per CPU worker for the decode KV mirror (gpu_worker/decode_mirror.py): decode rows keep a copy "
+        "of their KV history instead of re-gathering it each step; 0 turns it off",
+    )
     a("--ready-timeout", type=float, default=300.0, help="seconds to wait for every process's READY")
     a(
         "--step-timeout",
@@ -263,6 +271,7 @@ def to_server_args(ns: argparse.Namespace) -> ServerArgs:
         disable_radix_cache=ns.disable_radix_cache,
         chunked_prefill_size=ns.chunked_prefill_size,
         max_prefill_tokens=ns.max_prefill_tokens,
+        decode_mirror_mb=ns.decode_mirror_mb,
         log_level=ns.log_level,
     )
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-MIRROR_MAX_BYTES = 512 << 20  # all layers, K and V; beyond this (long contexts x many rows) gather as before
+MIRROR_MAX_BYTES = 512 << 20  # all layers, K and V (--decode-mirror-mb); beyond this, gather as before
 _ROWS_ALIGN = 8  # buffers grow in steps of this many rows and about ``_LEN_ALIGN`` positions, so growth is rare
 _LEN_ALIGN = 64
 

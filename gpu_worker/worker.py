@@ -122,9 +122,9 @@ class Worker:
             ) from None
         # decode rows that stay the same from step to step read their KV history from a kept copy (CPU only)
         self.decode_mirror: DecodeKVMirror | None = None
-        if self.device.type == "cpu":
+        if self.device.type == "cpu" and args.decode_mirror_mb > 0:
             self.decode_mirror = DecodeKVMirror(
-                self.cfg.num_layers, self.plan.num_kv_heads, self.cfg.head_dim, self.device
+                self.cfg.num_layers, self.plan.num_kv_heads, self.cfg.head_dim, self.device, args.decode_mirror_mb << 20
             )
         self.lora = None
         if args.enable_lora:

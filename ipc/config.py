@@ -11,6 +11,7 @@ import msgspec
 # prefill tokens per step on a 2-core CPU: measured in bench/prefix_cache.py (see the README's flag table)
 DEFAULT_CHUNKED_PREFILL_SIZE = 64
 DEFAULT_MAX_PREFILL_TOKENS = 2048
+DEFAULT_DECODE_MIRROR_MB = 512
 
 
 class LoraSpec(msgspec.Struct, frozen=True):
@@ -75,6 +76,7 @@ class ServerArgs(msgspec.Struct, frozen=True, kw_only=True):
     disable_radix_cache: bool = False  # the radix prefix cache (keyed by adapter uid, then token ids) is on by default
     chunked_prefill_size: int = DEFAULT_CHUNKED_PREFILL_SIZE  # most prefill tokens per step (<= 0: whole prompts)
     max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS  # prefill tokens of a step in which no request decodes
+    decode_mirror_mb: int = DEFAULT_DECODE_MIRROR_MB  # per worker, CPU only; 0 turns the decode KV mirror off
     log_level: str = "info"
 
 

@@ -200,3 +200,10 @@ def test_a_finished_requests_inf_kv_never_reaches_the_next_rows_padding(model_pa
     for a, b in zip(clean, poisoned, strict=True):
         assert torch.isfinite(b).all()
         assert torch.equal(a, b)
+
+
+def test_decode_mirror_mb_sets_the_cap_and_zero_turns_it_off(model_path):
+    from gpu_worker.worker import Worker
+
+    assert Worker(make_args(model_path, decode_mirror_mb=0)).decode_mirror is None
+    assert Worker(make_args(model_path, decode_mirror_mb=64)).decode_mirror.max_bytes == 64 << 20
