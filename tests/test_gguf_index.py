@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 
@@ -57,12 +58,22 @@ def test_a_changed_file_is_parsed_again(gguf_copy, monkeypatch):
     os.utime(gguf_copy, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
     gi.gguf_tensors(gguf_copy)
     assert calls[0] == 2
-    # a corrupt directory file is ignored and rewritten
+    # a damaged directory file (not JSON, not an object, records edited or cut, a bad type) is ignored, rewritten
     index = gi._index_path(gguf_copy.resolve())
-    index.write_text("{not json")
-    gi.gguf_tensors(gguf_copy)
-    gi.gguf_tensors(gguf_copy)
-    assert calls[0] == 3
+    good = json.loads(index.read_text())
+    damaged = [
+        "{not json",
+        "null",
+        "[]",
+        json.dumps({**good, "tensors": good["tensors"][:10]}),
+        json.dumps({**good, "tensors": [{**good["tensors"][0], "type": "Q9_9"}] + good["tensors"][1:]}),
+        json.dumps({k: v for k, v in good.items() if k != "digest"}),
+    ]
+    for n, text in enumerate(damaged):
+        index.write_text(text)
+        assert len(gi.gguf_tensors(gguf_copy)) == len(good["tensors"])
+        assert calls[0] == 3 + n
+        assert json.loads(index.read_text()) == good
 
 
 def test_an_unwritable_cache_folder_only_costs_the_parse(gguf_copy, tmp_path, monkeypatch):
