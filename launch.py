@@ -217,8 +217,28 @@ def resolve_quantization(ns: argparse.Namespace, model_dir: Path) -> str:
     return "none" if q == "auto" and ns.device == "cuda" else q
 
 
+def absolute_paths(ns: argparse.Namespace) -> None:
+    """Make every path the user gave absolute against the current folder (the children run in the repo folder):
+    ``--model-path``, ``--lora-paths``, ``--lora-root``, an ``ipc://`` endpoint and ``$LOOM_CACHE_DIR``."""
+
+    def ab(p: str) -> str:
+        return os.path.abspath(os.path.expanduser(p))
+
+    if ns.model_path:
+        ns.model_path = ab(ns.model_path)
+    ns.lora_paths = [LoraSpec(name=s.name, path=ab(s.path), pinned=s.pinned) for s in ns.lora_paths or []]
+    if ns.lora_root:
+        ns.lora_root = ab(ns.lora_root)
+    if ns.zmq_endpoint.startswith("ipc://"):
+        ns.zmq_endpoint = "ipc://" + ab(ns.zmq_endpoint[len("ipc://") :])
+    if os.environ.get("LOOM_CACHE_DIR"):
+        os.environ["LOOM_CACHE_DIR"] = ab(os.environ["LOOM_CACHE_DIR"])
+
+
 def to_server_args(ns: argparse.Namespace) -> ServerArgs:
     """Resolve the model (converting a GGUF once) and build the config tree every process gets."""
+    served_as_given = ns.served_model_name or ns.model_path or DEFAULT_SERVED_MODEL_NAME
+    absolute_paths(ns)
     model_dir = resolve_model_path(ns.model_path)
     cfg = load_model_config(model_dir)  # unsupported configs fail here, before any process starts
     if not 1 <= ns.tp_size <= cfg.num_kv_heads:  # attention is split by whole KV heads
@@ -232,7 +252,7 @@ def to_server_args(ns: argparse.Namespace) -> ServerArgs:
     rank, targets = infer_lora_defaults(ns) if ns.enable_lora else (ns.max_lora_rank or 64, ns.lora_target_modules)
     if ns.lora_paths and not ns.enable_lora:
         raise SystemExit("--lora-paths needs --enable-lora")
-    served = ns.served_model_name or ns.model_path or DEFAULT_SERVED_MODEL_NAME
+    served = served_as_given  # the model id clients name: the path as the user wrote it
     for spec in ns.lora_paths or []:
         problem = adapter_name_problem(spec.name, served)  # fail before any process starts
         if problem:
@@ -267,6 +287,7 @@ def to_server_args(ns: argparse.Namespace) -> ServerArgs:
         lora_target_modules=targets,
         lora_eviction_policy=ns.lora_eviction_policy,
         lora_root=ns.lora_root,
+        base_dir=os.getcwd(),
         max_loaded_loras=ns.max_loaded_loras,
         disable_radix_cache=ns.disable_radix_cache,
         chunked_prefill_size=ns.chunked_prefill_size,

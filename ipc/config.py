@@ -71,6 +71,7 @@ class ServerArgs(msgspec.Struct, frozen=True, kw_only=True):
     lora_target_modules: list[str] = []
     lora_eviction_policy: str = "lru"
     lora_root: str = ""
+    base_dir: str = ""  # where launch.py ran: relative adapter paths given at run time are relative to it
     max_loaded_loras: int = 0  # host-memory tier bound (0 = unbounded)
     # prefix cache and chunked prefill
     disable_radix_cache: bool = False  # the radix prefix cache (keyed by adapter uid, then token ids) is on by default

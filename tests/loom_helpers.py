@@ -457,8 +457,11 @@ def _fp32_unless_asked(flags) -> list[str]:
 
 
 @contextlib.contextmanager
-def launch_cluster(tmp_path: Path, *flags: str, ready_timeout_s: float = READY_TIMEOUT_S) -> Iterator[ClusterHandle]:
-    """Start ``python launch.py --zmq-endpoint ipc://TMP/front.sock *flags`` and wait for "Loom ready:".
+def launch_cluster(
+    tmp_path: Path, *flags: str, ready_timeout_s: float = READY_TIMEOUT_S, cwd: Path | None = None
+) -> Iterator[ClusterHandle]:
+    """Start ``python launch.py --zmq-endpoint ipc://TMP/front.sock *flags`` (in ``cwd``, default the repository)
+    and wait for "Loom ready:".
 
     stdout/stderr go to ``TMP/launch.log`` (raised with the error if start-up fails). On exit the launcher gets
     SIGINT; if it is not gone within 30 s its process group and every child pid are SIGKILLed, so nothing is left
@@ -472,7 +475,7 @@ def launch_cluster(tmp_path: Path, *flags: str, ready_timeout_s: float = READY_T
     cmd = [sys.executable, str(REPO / "launch.py"), "--zmq-endpoint", endpoint, *_fp32_unless_asked(flags)]
     with open(log_path, "wb") as logf:
         proc = subprocess.Popen(
-            cmd, cwd=str(REPO), stdout=logf, stderr=subprocess.STDOUT, env=env, preexec_fn=_launcher_preexec
+            cmd, cwd=str(cwd or REPO), stdout=logf, stderr=subprocess.STDOUT, env=env, preexec_fn=_launcher_preexec
         )
     tp = int(flags[flags.index("--tp-size") + 1]) if "--tp-size" in flags else 1
     h = ClusterHandle(proc=proc, endpoint=endpoint, log_path=log_path, tp_size=tp)

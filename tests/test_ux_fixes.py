@@ -297,3 +297,22 @@ def test_a_worker_start_up_failure_stops_the_cluster_promptly_with_one_clear_rea
     assert "the KV cache for 1000000000000 tokens needs" in out and "lower --max-total-tokens" in out, out[-3000:]
     assert "did not stop" not in out and "During handling of the above exception" not in out, out[-3000:]
     assert not list(tmp_path.glob("*.sock"))
+
+
+def test_relative_paths_are_relative_to_where_launch_py_runs(tmp_path, model_path):
+    """The children run in the repository folder; every path a user gives (model, adapters, adapter root, and
+    adapter paths loaded at run time) still means the folder launch.py was started in."""
+    from loom_helpers import launch_cluster
+    from lora_helpers import real_adapters
+
+    work = tmp_path / "work"
+    (work / "ads").mkdir(parents=True)
+    (work / "m").symlink_to(model_path)
+    shutil.copytree(real_adapters()["r8-all"], work / "ads" / "a")
+    flags = ["--model-path", "m", "--enable-lora", "--lora-root", "ads", "--lora-paths", "a=ads/a"]
+    with launch_cluster(tmp_path / "cluster", *flags, cwd=work) as h:
+        with LoomClient(h.endpoint) as c:
+            sp = {"temperature": 0, "max_new_tokens": 4}
+            first = c.generate("The capital of France is", sampling_params=sp, lora_path="a")["text"]
+            c.load_lora_adapter("b", "ads/a")  # relative at run time: the same folder (raises if refused)
+            assert c.generate("The capital of France is", sampling_params=sp, lora_path="b")["text"] == first

@@ -68,6 +68,7 @@ class LoraAdmin:
         self.on_loaded = on_loaded  # (kind, seconds) of each load that succeeded on every rank (metrics)
         self.registry = LoraRegistry(
             lora_root=args.lora_root,
+            base_dir=args.base_dir,
             max_lora_rank=args.max_lora_rank,
             max_loaded=args.max_loaded_loras,
             max_slots=args.max_loras_per_batch,

@@ -114,6 +114,7 @@ class LoraRegistry:
         self,
         *,
         lora_root: str = "",
+        base_dir: str = "",
         max_lora_rank: int = 64,
         max_loaded: int = 0,
         max_slots: int = 0,
@@ -122,7 +123,8 @@ class LoraRegistry:
     ) -> None:
         self.served_model_name = served_model_name  # no adapter may take the base model's id
         self.tied = tie_word_embeddings  # names the reason when an adapter targets lm_head / embed_tokens
-        self.root = Path(lora_root).resolve() if lora_root else None
+        self.base_dir = Path(base_dir) if base_dir else None  # relative paths are relative to it (launch.py's cwd)
+        self.root = self._absolute(lora_root).resolve() if lora_root else None
         self.max_lora_rank = max_lora_rank
         self.max_loaded = max_loaded
         self.max_slots = max_slots  # --max-loras-per-batch: pinned adapters must leave one slot free (0 = unchecked)
@@ -176,7 +178,7 @@ class LoraRegistry:
         problem = adapter_name_problem(name, self.served_model_name)
         if problem is not None:
             raise AdapterRefused(problem)
-        p = Path(path).expanduser().resolve()
+        p = self._absolute(path).resolve()
         if self.root is not None and not p.is_relative_to(self.root):
             raise AdapterRefused(f"LoRA adapter {name}: path {path} is outside the allowed root {self.root}")
         if self.root is not None:  # a file inside the folder may still be a link to elsewhere
@@ -195,6 +197,10 @@ class LoraRegistry:
                 f"LoRA adapter {name}: rank {cfg.max_rank()} exceeds --max-lora-rank {self.max_lora_rank}"
             )
         return str(p), cfg.max_rank()
+
+    def _absolute(self, path: str) -> Path:
+        p = Path(path).expanduser()
+        return self.base_dir / p if self.base_dir is not None and not p.is_absolute() else p
 
     def pin_refusal(self, name: str, pinned: bool) -> str | None:
         """Why pinning ``name`` must be refused (it would leave no unpinned slot), or None. The ranks refuse the
