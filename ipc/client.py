@@ -66,6 +66,7 @@ from ipc.sockets import MAX_FRAME_BYTES
 log = logging.getLogger("loom.client")
 DEFAULT_ENDPOINT = "ipc:///tmp/loom.sock"
 CONNECT_TIMEOUT_S = 2.5  # no connection for this long: the server is unavailable
+ABORT_SETTLE_S = 5.0  # how long a reused rid waits for its aborted predecessor's final reply
 RETRY_WINDOW_S = 30.0  # how long a resubmittable request waits for a lost server to come back
 HEARTBEAT_IVL_MS = 500  # a ZMTP PING this often
 HEARTBEAT_TIMEOUT_MS = 1500  # no traffic this long after a PING: the connection is dropped
@@ -385,6 +386,9 @@ class LoomClient(_ClientBase):
         self.timeout_ms = max(1, round(timeout_s * 1000))
         self._stash: dict[str, list[Any]] = {}
         self._inbox: deque[Any] = deque()  # read off the socket, not yet handed to a waiter
+        # rid -> (connection epoch, deadline) of an aborted request whose final reply has not been read: its late
+        # replies are dropped, and a new request reusing the rid first waits for that final reply
+        self._aborted: dict[str, tuple[int, float]] = {}
 
     def close(self) -> None:
         """Close the socket (requests still running on the server are aborted when their replies bounce)."""
@@ -462,6 +466,8 @@ class LoomClient(_ClientBase):
             msg = self._recv(flight, self._epoch)
             if getattr(msg, "rid", None) == rid:
                 return msg
+            if self._late_of_aborted(msg):
+                continue
             if self._known(msg):  # another request's, for its own waiter
                 self._stash.setdefault(msg.rid, []).append(msg)
 
@@ -503,6 +509,8 @@ class LoomClient(_ClientBase):
         )
         frame = self._encode(req)
         self._refresh()
+        if req.rid in self._aborted:
+            self._settle(req.rid)
         flight = self._start(req, retry)
         self.sock.send(frame)
         if stream:
@@ -523,9 +531,51 @@ class LoomClient(_ClientBase):
             self._end(flight)
 
     def abort(self, rid: str) -> None:
-        """Abort request ``rid`` (sent by this client)."""
+        """Abort request ``rid`` (sent by this client). Its replies still on the way are dropped, and a later
+        request that reuses ``rid`` waits (up to ``ABORT_SETTLE_S``) for the aborted one's final reply first."""
         self._flights.pop(rid, None)
+        self._stash.pop(rid, None)
+        self._aborted[rid] = (self._epoch, time.monotonic() + ABORT_SETTLE_S)
         self.sock.send(self.out.encode(AbortReq(rid)))
+
+    def _known(self, msg: Any) -> bool:
+        if self._late_of_aborted(msg):
+            return False
+        return super()._known(msg)
+
+    def _late_of_aborted(self, msg: Any) -> bool:
+        """Whether ``msg`` is a reply of an aborted request (to drop); its final reply ends the wait for it."""
+        rid = getattr(msg, "rid", None)
+        if rid not in self._aborted or rid in self._flights:
+            return False
+        if isinstance(msg, ErrorOut) or (isinstance(msg, GenerateOut) and msg.finished):
+            del self._aborted[rid]
+        return True
+
+    def _settle(self, rid: str) -> None:
+        """Before ``rid`` is reused: read until its aborted request's final reply arrived (others are stashed for
+        their waiters), the connection was replaced (the old request is gone with it) or the wait ran out."""
+        while rid in self._aborted:
+            epoch, end = self._aborted[rid]
+            if epoch != self._epoch or time.monotonic() >= end:
+                del self._aborted[rid]
+                return
+            if self._inbox:
+                msg = self._inbox.popleft()
+            else:
+                self._refresh()
+                conn = self._conn
+                if not conn.sock.poll(20):
+                    continue
+                try:
+                    frame = conn.sock.recv(zmq.NOBLOCK)
+                except zmq.Again:
+                    continue
+                if not frame:  # a liveness probe
+                    continue
+                msg = self._mark(self.inc.decode(frame))
+            if not self._late_of_aborted(msg) and self._known(msg):
+                self._stash.setdefault(msg.rid, []).append(msg)
 
     def _next_chunk(self, flight: _Flight, delivered: _Delivered) -> tuple[dict[str, Any] | None, bool]:
         """The next chunk of a stream to yield (None: skip it) and whether the stream has ended."""

@@ -316,3 +316,30 @@ def test_relative_paths_are_relative_to_where_launch_py_runs(tmp_path, model_pat
             first = c.generate("The capital of France is", sampling_params=sp, lora_path="a")["text"]
             c.load_lora_adapter("b", "ads/a")  # relative at run time: the same folder (raises if refused)
             assert c.generate("The capital of France is", sampling_params=sp, lora_path="b")["text"] == first
+
+
+@pytest.mark.parametrize("gap_s", [0.0, 0.5])
+def test_sync_client_reusing_an_aborted_streams_rid_gets_its_own_reply(tmp_path, gap_s):
+    """LoomClient: an aborted stream's late replies are dropped, and a request reusing its rid waits for the
+    aborted one's final reply instead of being handed it (or refused as "already running")."""
+    import time
+
+    from loom_helpers import launch_cluster
+
+    sp = {"temperature": 0, "max_new_tokens": 16, "ignore_eos": True}
+    with launch_cluster(tmp_path) as h, LoomClient(h.endpoint) as c:
+        want = c.generate("The capital of France is", sampling_params=sp)
+        for _ in range(2):
+            it = c.generate("Tell me a story about a dragon", sampling_params=sp, rid="x0", stream=True)
+            next(iter(it))
+            it.close()
+            time.sleep(gap_s)
+            got = c.generate("The capital of France is", sampling_params=sp, rid="x0")
+            assert got["text"] == want["text"] and got["meta_info"]["finish_reason"]["type"] == "length", got
+        # the streamed variant and another request in between
+        it = c.generate("Tell me a story about a dragon", sampling_params=sp, rid="x1", stream=True)
+        next(iter(it))
+        it.close()
+        assert c.generate("The capital of France is", sampling_params=sp)["text"] == want["text"]
+        chunks = list(c.generate("The capital of France is", sampling_params=sp, rid="x1", stream=True))
+        assert chunks[-1]["text"] == want["text"]
