@@ -1,7 +1,7 @@
 """A GGUF file's tensor directory, parsed once by the ``gguf`` library and kept as a small JSON file.
 
 ``gguf.GGUFReader`` parses every metadata field, and the embedded model's tokenizer (49,152 tokens and their
-merges as GGUF string arrays) takes it 7-8 s on this CPU: every worker start, every worker restart in a
+merges as GGUF string arrays) takes it 3.5 s on this CPU: every worker start, every worker restart in a
 failover and every ``launch.py`` paid that for the 272 tensor records it actually needs. The directory (name,
 type, shape, byte range) is cached under ``$LOOM_CACHE_DIR/gguf-index/``, keyed by the file's resolved path and
 checked against its size and modification time, so a replaced file is parsed again. Torch-free (``launch.py``
