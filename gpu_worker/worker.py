@@ -203,9 +203,10 @@ class Worker:
                 raise WorkerError(f"request {r.rid}: {n} tokens but {len(r.out_slots)} KV slots")
             if r.prefix_len + n > self.context_len:
                 raise WorkerError(f"request {r.rid}: {r.prefix_len + n} tokens exceed context {self.context_len}")
-            bad = [x for x in (*r.out_slots, *r.prefix_slots) if not 0 <= x < self.kv.num_slots]
-            if bad:
-                raise WorkerError(f"request {r.rid}: KV slot {bad[0]} outside 0..{self.kv.num_slots - 1}")
+            for ids_ in (r.out_slots, r.prefix_slots):  # min/max in C: this runs for every token of every step
+                if ids_ and (min(ids_) < 0 or max(ids_) >= self.kv.num_slots):
+                    bad = min(ids_) if min(ids_) < 0 else max(ids_)
+                    raise WorkerError(f"request {r.rid}: KV slot {bad} outside 0..{self.kv.num_slots - 1}")
             if r.prefix_slots:  # a prefix from the scheduler's prefix cache: point the row at its slots
                 if len(r.prefix_slots) != r.prefix_len:
                     raise WorkerError(f"request {r.rid}: {len(r.prefix_slots)} prefix slots for {r.prefix_len}")

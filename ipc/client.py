@@ -449,13 +449,17 @@ class LoomClient(_ClientBase):
                 self._refresh()
                 continue
             if conn.sock in ready:
-                try:
-                    frame = conn.sock.recv(zmq.NOBLOCK)
-                except zmq.Again:
-                    continue
-                if not frame:  # a liveness probe
-                    continue
-                return self._mark(self.inc.decode(frame))
+                msg = self._read(conn)
+                if msg is not None:
+                    return msg
+
+    def _read(self, conn: _Conn) -> Any:
+        """One message waiting on ``conn`` (None: nothing after all, or a liveness probe), marked."""
+        try:
+            frame = conn.sock.recv(zmq.NOBLOCK)
+        except zmq.Again:
+            return None
+        return self._mark(self.inc.decode(frame)) if frame else None
 
     def _next_for(self, flight: _Flight) -> Any:
         rid = flight.req.rid
@@ -564,16 +568,9 @@ class LoomClient(_ClientBase):
                 msg = self._inbox.popleft()
             else:
                 self._refresh()
-                conn = self._conn
-                if not conn.sock.poll(20):
+                msg = self._read(self._conn) if self._conn.sock.poll(20) else None
+                if msg is None:
                     continue
-                try:
-                    frame = conn.sock.recv(zmq.NOBLOCK)
-                except zmq.Again:
-                    continue
-                if not frame:  # a liveness probe
-                    continue
-                msg = self._mark(self.inc.decode(frame))
             if not self._late_of_aborted(msg) and self._known(msg):
                 self._stash.setdefault(msg.rid, []).append(msg)
 
