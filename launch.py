@@ -130,6 +130,13 @@ def build_parser() -> argparse.ArgumentParser:
     a("--max-lora-rank", type=int, default=0, help="0 = the largest rank among --lora-paths (or 64)")
     a("--lora-target-modules", nargs="+", default=[], help="default: inferred from --lora-paths (or all)")
     a("--lora-eviction-policy", default="lru", choices=["lru", "fifo"])
+    a(
+        "--lora-backend",
+        default="auto",
+        choices=["auto", "cpu-sgmv", "torch"],
+        help="how LoRA is applied: cpu-sgmv = Loom's C kernel (CPU, built on first use with the system compiler); "
+        "torch = batched torch GEMMs; auto = cpu-sgmv on CPU where it is measured faster (cached), else torch",
+    )
     a("--lora-root", default="", help="adapter paths must resolve inside this folder")
     a("--max-loaded-loras", type=int, default=0, help="host-memory tier bound (0 = unbounded)")
     a(
@@ -286,6 +293,7 @@ def to_server_args(ns: argparse.Namespace) -> ServerArgs:
         max_lora_rank=rank,
         lora_target_modules=targets,
         lora_eviction_policy=ns.lora_eviction_policy,
+        lora_backend=ns.lora_backend,
         lora_root=ns.lora_root,
         base_dir=os.getcwd(),
         max_loaded_loras=ns.max_loaded_loras,

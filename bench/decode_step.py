@@ -2,6 +2,7 @@
 """One worker's decode step in-process (no sockets, no scheduler): where a step's time goes.
 
     python bench/decode_step.py [--batch 32] [--context 256] [--dtype bfloat16] [--lora 0] [--steps 20]
+                                [--lora-backend auto|cpu-sgmv|torch]
 
 Prefills ``--batch`` requests of ``--context`` tokens each (random token ids, lengths spread +-25% so rows
 differ), then times ``--steps`` decode steps of the whole batch and prints the median step time and tok/s.
@@ -36,7 +37,14 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--profile", action="store_true")
     p.add_argument("--slot-dtype", default="", help="force the LoRA slot dtype (default: measured at start-up)")
-    p.add_argument("--lora-path", default="", choices=["", "batched", "segments"], help="force a LoRA apply path")
+    p.add_argument("--lora-path", default="", choices=["", "batched", "segments"], help="force a torch LoRA apply path")
+    p.add_argument("--lora-backend", default="auto", choices=["auto", "cpu-sgmv", "torch"], help="--lora-backend")
+    p.add_argument(
+        "--lora-ab",
+        action="store_true",
+        help="with --lora N: blocks of 5 steps in turns with the cpu-sgmv kernel, the torch path, and no adapters "
+        "(the same requests as base-model requests); prints each one's median and the ratios to base",
+    )
     p.add_argument(
         "--mirror",
         default="on",
@@ -44,6 +52,7 @@ def main() -> None:
         help="decode KV mirror (gpu_worker/decode_mirror.py): on, off, or ab = blocks of 5 steps in turns",
     )
     a = p.parse_args()
+    import msgspec
     import torch
 
     from gpu_worker.worker import Worker
@@ -68,7 +77,7 @@ def main() -> None:
         model_path=model_path, dtype=a.dtype, quantization=a.quantization, device="cpu", endpoints=eps,
         max_total_tokens=total,
         max_running_requests=a.batch, context_length=max(lens) + a.steps + 2, enable_lora=a.lora > 0,
-        max_loras_per_batch=max(a.lora, 1), max_lora_rank=64,
+        max_loras_per_batch=max(a.lora, 1), max_lora_rank=64, lora_backend=a.lora_backend,
     )  # fmt: skip
     w = Worker(args)
     uids: list[str | None] = [None]
@@ -82,8 +91,18 @@ def main() -> None:
             ack = w.load_lora(WorkerLoraLoad(i, f"u{i:04d}", name, str(path)))
             assert ack.ok, ack.error
             uids.append(f"u{i:04d}")
+    pools = {}
+    if a.lora_ab:
+        from gpu_worker.lora_pool import LoraPool
+
+        for backend in ("cpu-sgmv", "torch"):
+            pool = LoraPool(msgspec.structs.replace(args, lora_backend=backend), w.cfg, w.plan, w.dtype, w.device)
+            for i, (name, path) in enumerate(sorted(ads.items())):
+                pool.load(f"u{i:04d}", name, str(path))
+            pools[backend] = pool
     greedy = WorkerSampling(0.0, 1.0, -1, None)
     lora_of = [uids[i % len(uids)] for i in range(a.batch)]
+    active = [lora_of]  # --lora-ab's base blocks send the same requests without adapters
     slot = 0
     slots: list[list[int]] = []
     for n in lens:
@@ -96,7 +115,7 @@ def main() -> None:
 
     def step(k: int) -> None:
         reqs = [
-            BatchReq(f"r{i}", i, [1000 + k], lens[i] + k, [slots[i][lens[i] + k]], lora_of[i], greedy)
+            BatchReq(f"r{i}", i, [1000 + k], lens[i] + k, [slots[i][lens[i] + k]], active[0][i], greedy)
             for i in range(a.batch)
         ]
         w.forward_logits(ForwardBatch(k + 1, reqs))
@@ -106,7 +125,14 @@ def main() -> None:
         w.decode_mirror = None
     step(0)
     by_mode: dict[str, list[float]] = {"on": [], "off": []}
+    modes = ["cpu-sgmv", "torch", "base"]
+    by_lora: dict[str, list[float]] = {m: [] for m in modes}
     for k in range(1, a.steps + 1):
+        if a.lora_ab:  # the first step of a block is not counted (it fills slots and the decode mirror)
+            mode = modes[(k - 1) // 5 % 3]
+            active[0] = [None] * a.batch if mode == "base" else lora_of
+            if mode != "base":
+                w.lora = pools[mode]
         if a.mirror == "ab":  # the first step of an "on" block refills the mirror: not counted
             on = (k - 1) // 5 % 2 == 0
             w.decode_mirror = mirror if on else None
@@ -115,7 +141,16 @@ def main() -> None:
         times.append(time.perf_counter() - t)
         if a.mirror == "ab" and (k - 1) % 5:
             by_mode["on" if on else "off"].append(times[-1])
+        if a.lora_ab and (k - 1) % 5:
+            by_lora[mode].append(times[-1])
     med = statistics.median(times)
+    if a.lora_ab:
+        ms = {m: statistics.median(v) * 1e3 for m, v in by_lora.items() if v}
+        print(
+            " ".join(f"{m} {t:.1f} ms" for m, t in ms.items())
+            + " per step; LoRA/base throughput: "
+            + " ".join(f"{m} {ms['base'] / ms[m]:.2f}" for m in modes[:2] if m in ms and "base" in ms)
+        )
     if a.mirror == "ab":
         on_ms, off_ms = (statistics.median(by_mode[m]) * 1e3 for m in ("on", "off"))
         print(f"decode KV mirror on {on_ms:.1f} ms, off {off_ms:.1f} ms per step: off/on {off_ms / on_ms:.2f}")

@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from dataclasses import dataclass
 
 import torch
 
 from gpu_worker.lora_cache import CacheKey, HostWeightCache
+from gpu_worker.lora_kernel import BLOCK_COLS, SgmvLayerArgs, choose_backend, sgmv_add
 from gpu_worker.lora_weights import module_dims, read_adapter, shard_range
 from gpu_worker.timing import best_time
 from gpu_worker.tp_plan import ShardPlan
@@ -27,6 +29,9 @@ from ipc.config import ServerArgs
 from ipc.lora_config import LLAMA_LORA_MODULES, adapter_content_hash, read_adapter_config
 from ipc.messages import AdapterState
 from ipc.model_config import ModelConfig
+from ipc.model_source import cache_root
+
+log = logging.getLogger(__name__)
 
 # fused base projections -> (sub-module, index of its block in the fused output)
 FUSED = {
@@ -35,6 +40,7 @@ FUSED = {
     "gate_up": ("gate_proj", "up_proj"),
     "down": ("down_proj",),
 }
+MODULE_FUSED = {m: f for f, mods in FUSED.items() for m in mods}
 
 
 class LoraPoolError(RuntimeError):
@@ -57,9 +63,10 @@ class LoraPool:
     """Slots and host tier of one TP rank.
 
     Device buffers per layer and target module: ``A [slots, max_rank, in_local]`` and
-    ``B [slots, out_local, max_rank]`` (scaling folded into B). ``slot_rank[s][layer][module]`` is the rank
-    the slot's occupant has there, 0 where it has no weights (the buffer is zeroed too, so nothing of a
-    previous occupant can leak).
+    ``B [slots, max_rank, out_local]`` (scaling folded into B; rank-major so an expand reads whole output
+    rows). ``slot_rank[s][layer][module]`` is the rank the slot's occupant has there, 0 where it has no weights
+    (the buffer is zeroed too, so nothing of a previous occupant can leak); ``rank_tab[fused]`` holds the same
+    ranks as int32 ``[layers, slots, sub-modules]`` for the C kernel.
     """
 
     def __init__(
@@ -73,7 +80,11 @@ class LoraPool:
             raise ValueError(f"--lora-eviction-policy {self.policy!r}: choose lru or fifo")
         self.targets = [m for m in LLAMA_LORA_MODULES if m in (args.lora_target_modules or LLAMA_LORA_MODULES)]
         self.cache = HostWeightCache()
-        self.slot_dtype = measure_slot_dtype(dtype, device)
+        widest = max(self._local_dims(m)[0] for m in LLAMA_LORA_MODULES)
+        self.sgmv, how = choose_backend(args.lora_backend, dtype, device, cache_root(), group, widest)
+        log.info("LoRA backend on TP rank %d: %s", plan.rank, how)
+        # the kernel reads bf16 slots at full speed on any CPU; the torch path may need fp32 ones
+        self.slot_dtype = dtype if self.sgmv is not None else measure_slot_dtype(dtype, device)
         self.host: dict[str, HostAdapter] = {}
         self.slot_uid: list[str | None] = [None] * self.n_slots
         self.uid_slot: dict[str, int] = {}
@@ -100,10 +111,61 @@ class LoraPool:
                 for k, m in enumerate(mods):
                     a_l[m] = per_rank[:, :, k]  # [slots, max_rank, in] (strided view)
                     fout = self._local_dims(m)[1]
-                    b_l[m] = torch.zeros(self.n_slots, fout, self.max_rank, dtype=self.slot_dtype, device=device)
+                    b_l[m] = torch.zeros(self._b_shape(fout), dtype=self.slot_dtype, device=device)
             self.A_fused.append(af_l)
             self.A.append(a_l)
             self.B.append(b_l)
+        self.rank_tab = {
+            f: torch.zeros(cfg.num_layers, self.n_slots, len(mods), dtype=torch.int32)
+            for f, mods in self.fused_targets.items()
+            if mods
+        }
+        self.cols = {f: self._fused_cols(f) for f in self.rank_tab}
+        self.sgmv_args: list[dict[str, SgmvLayerArgs]] = []
+        if self.sgmv is not None:
+            for layer in range(cfg.num_layers):
+                self.sgmv_args.append(
+                    {
+                        f: SgmvLayerArgs(
+                            self.A_fused[layer][f],
+                            [self.B[layer][m] for m in self.fused_targets[f]],
+                            [self.local_dims[m][1] for m in self.fused_targets[f]],
+                            self.rank_tab[f][layer],
+                            [c for _, _, c in self.cols[f]],
+                        )
+                        for f in self.rank_tab
+                    }
+                )
+
+    def _b_shape(self, fout: int) -> tuple[int, ...]:
+        """An expand buffer's shape: ``[slots, max_rank, out]``, or for the C kernel column blocks of
+        ``BLOCK_COLS`` that each hold all ranks, ``[slots, ceil(out / BLOCK_COLS), max_rank, BLOCK_COLS]``, so
+        one block of output columns streams from one contiguous run of memory."""
+        if self.sgmv is None:
+            return (self.n_slots, self.max_rank, fout)
+        return (self.n_slots, -(-fout // BLOCK_COLS), self.max_rank, BLOCK_COLS)
+
+    def b_matrix(self, layer: int, m: str, s: int) -> torch.Tensor:
+        """Slot ``s``'s expand weights of ``m`` as ``[max_rank, out_local]`` (scaling folded in), either layout."""
+        b = self.B[layer][m][s]
+        if self.sgmv is None:
+            return b
+        return b.permute(1, 0, 2).reshape(self.max_rank, -1)[:, : self.local_dims[m][1]]
+
+    def _fused_cols(self, fused: str) -> list[tuple[int, str, int]]:
+        """(index in the fused A buffer, sub-module, first output column) of each targeted sub-module."""
+        mods = self.fused_targets[fused]
+        cols, col = [], 0
+        for m in FUSED[fused]:
+            if m in mods:
+                cols.append((mods.index(m), m, col))
+            col += self.local_dims[m][1]
+        return cols
+
+    def _set_rank(self, s: int, layer: int, m: str, r: int) -> None:
+        self.slot_rank[s][layer][m] = r
+        f = MODULE_FUSED[m]
+        self.rank_tab[f][layer, s, self.fused_targets[f].index(m)] = r
 
     def _local_dims(self, module: str) -> tuple[int, int]:
         fin, fout = module_dims(self.cfg, module)
@@ -177,7 +239,7 @@ class LoraPool:
                 if self.slot_rank[s][layer][m]:
                     self.A[layer][m][s].zero_()
                     self.B[layer][m][s].zero_()
-                    self.slot_rank[s][layer][m] = 0
+                    self._set_rank(s, layer, m, 0)
 
     def _write_slot(self, s: int, uid: str) -> None:
         """Copy ``uid``'s shards into slot ``s``; modules it lacks are zeroed and get rank 0."""
@@ -192,17 +254,28 @@ class LoraPool:
                     if old:
                         self.A[layer][m][s].zero_()
                         self.B[layer][m][s].zero_()
-                    self.slot_rank[s][layer][m] = 0
+                    self._set_rank(s, layer, m, 0)
                     continue
                 fin, fout = self._local_dims(m)
                 a = self.cache.get(CacheKey(uid, layer, m, "A", *tp), (r, fin), self.dtype)
                 b = self.cache.get(CacheKey(uid, layer, m, "B", *tp), (fout, r), self.dtype)
-                if old > r:  # the previous occupant's extra rank columns must not survive
+                if old > r:  # the previous occupant's extra rank rows must not survive
                     self.A[layer][m][s, r:old].zero_()
-                    self.B[layer][m][s, :, r:old].zero_()
+                    if self.sgmv is None:
+                        self.B[layer][m][s, r:old].zero_()
+                    else:
+                        self.B[layer][m][s, :, r:old].zero_()
                 self.A[layer][m][s, :r].copy_(a, non_blocking=nb)
-                self.B[layer][m][s, :, :r].copy_(b, non_blocking=nb)
-                self.slot_rank[s][layer][m] = r
+                if self.sgmv is None:
+                    self.B[layer][m][s, :r].copy_(b.T, non_blocking=nb)
+                else:  # [out, r] -> column blocks [ceil(out / BLOCK_COLS), r, BLOCK_COLS] (zero past out)
+                    dst = self.B[layer][m][s]
+                    full = fout // BLOCK_COLS * BLOCK_COLS
+                    if full:
+                        dst[: full // BLOCK_COLS, :r].copy_(b[:full].view(-1, BLOCK_COLS, r).transpose(1, 2))
+                    if full < fout:
+                        dst[-1, :r, : fout - full].copy_(b[full:].T)
+                self._set_rank(s, layer, m, r)
 
     def _ensure_slot(self, uid: str, protected: tuple[str, ...] | list[str]) -> int:
         s = self.uid_slot.get(uid)
@@ -287,6 +360,10 @@ class LoraBatch:
 
     Padding rows read token 0 and are never handed back (base tokens read an all-zero row); padded rank columns
     are zero in A and B (slots zero them on write), so both ways give the same result.
+
+    On CPU with ``--lora-backend`` cpu-sgmv (``auto`` picks it where measured faster) neither runs: one call
+    of the C kernel (``gpu_worker/lora_kernel.py``) per layer and fused projection does every segment's shrink
+    and expand, in fp32 accumulation, straight into ``out``.
     """
 
     PAD_LIMIT = 2.0  # batched only while padded rows <= this many times the real LoRA rows
@@ -300,7 +377,7 @@ class LoraBatch:
         for s, t0, t1 in segments:
             per_slot.setdefault(s, []).extend(range(t0, t1))
         real = sum(len(v) for v in per_slot.values())
-        if per_slot and real:
+        if per_slot and real and pool.sgmv is None:
             n = max(per_slot) + 1
             tmax = max(len(v) for v in per_slot.values())
             if n * tmax <= self.PAD_LIMIT * real + 8:
@@ -313,6 +390,16 @@ class LoraBatch:
                 dev = pool.device
                 self._batched = (n, tmax, torch.tensor(src, device=dev), torch.tensor(pos, device=dev))
         self._slots = sorted(per_slot)
+        self._seg: torch.Tensor | None = None  # the C kernel's token list and segments (by slot), and scratch
+        self._tok: torch.Tensor | None = None
+        self._u: torch.Tensor | None = None
+        if pool.sgmv is not None and per_slot:
+            tok, seg = [], []
+            for s in self._slots:
+                seg.append((s, len(tok), len(tok) + len(per_slot[s])))
+                tok.extend(per_slot[s])
+            self._tok = torch.tensor(tok, dtype=torch.int64)
+            self._seg = torch.tensor(seg, dtype=torch.int64)
 
     def add(self, layer: int, fused: str, x: torch.Tensor, out: torch.Tensor) -> None:
         """``out[t0:t1, cols] += (x[t0:t1] @ A[s,:r]^T) @ B[s,:,:r]^T`` per segment and sub-module.
@@ -321,15 +408,14 @@ class LoraBatch:
         the rank's partial sum before the all-reduce, which is exact because the expand is linear).
         """
         p = self.pool
-        mods = p.fused_targets[fused]
-        if not mods:
+        if fused not in p.rank_tab:
             return
-        cols = []  # (sub-module index in the fused buffer, module, output column)
-        col = 0
-        for m in FUSED[fused]:
-            if m in mods:
-                cols.append((mods.index(m), m, col))
-            col += p.local_dims[m][1]
+        if self._seg is not None:
+            if self._u is None:  # fp32 shrink results; the kernel's padded token blocks read the zero rows at the end
+                self._u = torch.zeros(len(self._tok) + 8, p.max_rank * max(map(len, FUSED.values())))
+            sgmv_add(p.sgmv, p.sgmv_args[layer][fused], x, out, self._tok, self._seg, self._u)
+            return
+        cols = p.cols[fused]
         if self._batched is not None:
             self._add_batched(layer, fused, cols, x, out)
         else:
@@ -354,8 +440,8 @@ class LoraBatch:
         d3 = d[:-1].view(n, tmax, -1)
         for (k, m, c), r in zip(cols, ranks, strict=True):
             if r:
-                b = p.B[layer][m][:n, :, :r]  # [n, out_m, r]
-                torch.bmm(u[:, :, :r, k], b.transpose(1, 2), out=d3[:, :, c : c + b.shape[1]])
+                b = p.B[layer][m][:n, :r]  # [n, r, out_m]
+                torch.bmm(u[:, :, :r, k], b, out=d3[:, :, c : c + b.shape[2]])
         out += d.index_select(0, pos)
 
     def _add_segments(self, layer: int, fused: str, cols: list, x: torch.Tensor, out: torch.Tensor) -> None:
@@ -376,8 +462,8 @@ class LoraBatch:
             u = (xs_all[t0:t1] @ af[s, : rmax * nmod].T).view(-1, rmax, nmod)  # every sub-module's shrink at once
             for (k, m, c), r in zip(cols, ranks, strict=True):
                 if r:
-                    b = p.B[layer][m][s, :, :r]
-                    acc[t0:t1, c : c + b.shape[0]].addmm_(u[:, :r, k], b.T)
+                    b = p.B[layer][m][s, :r]  # [r, out_m]
+                    acc[t0:t1, c : c + b.shape[1]].addmm_(u[:, :r, k], b)
                     touched = True
         if touched and not same:
             out += acc

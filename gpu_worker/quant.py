@@ -20,7 +20,6 @@ slower than AMX bf16 GEMM (see ``bench/quant_kernels.py``).
 
 from __future__ import annotations
 
-import contextlib
 from pathlib import Path
 
 import numpy as np
@@ -153,30 +152,14 @@ def cached_int4_choice(dense_dtype: torch.dtype, cache_dir: Path) -> tuple[bool,
     (keyed by CPU model and flags, torch version and dtype) gives every later start, and every restart after a
     failure, the same weights and so the same outputs. Delete the file to measure again.
     """
-    import hashlib
-    import json
-    import os
-    import platform
+    from gpu_worker.timing import cached_choice
 
-    flags = ""
-    with contextlib.suppress(OSError):
-        with open("/proc/cpuinfo") as f:
-            info = f.read()
-        flags = " ".join(line for line in info.splitlines() if line.startswith(("model name", "flags")))[:4000]
-    key = hashlib.sha256(f"{platform.machine()}|{flags}|{torch.__version__}|{dense_dtype}".encode()).hexdigest()[:16]
-    path = cache_dir / f"int4-vs-dense-{key}.json"
-    with contextlib.suppress(OSError, ValueError, KeyError):
-        doc = json.loads(path.read_text())
-        return bool(doc["faster"]), f"{doc['how']}, measured earlier ({path})"
-    faster, t4, td = int4_beats_dense(dense_dtype)
-    dense = str(dense_dtype).replace("torch.", "")
-    how = f"one row through 8 gate matrices: 4-bit {t4 * 1e6:.0f} us, {dense} {td * 1e6:.0f} us"
-    with contextlib.suppress(OSError):
-        cache_dir.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps({"faster": faster, "how": how}))
-        os.replace(tmp, path)
-    return faster, how
+    def measure() -> tuple[bool, str]:
+        faster, t4, td = int4_beats_dense(dense_dtype)
+        dense = str(dense_dtype).replace("torch.", "")
+        return faster, f"one row through 8 gate matrices: 4-bit {t4 * 1e6:.0f} us, {dense} {td * 1e6:.0f} us"
+
+    return cached_choice(cache_dir, "int4-vs-dense", f"{torch.__version__}|{dense_dtype}", measure)
 
 
 def int4_beats_dense(dense_dtype: torch.dtype, matrices: int = 8) -> tuple[bool, float, float]:

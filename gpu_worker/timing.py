@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import json
+import os
+import platform
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 
 def best_time(fn: Callable[[], object], repeats: int) -> float:
@@ -19,3 +25,29 @@ def best_time(fn: Callable[[], object], repeats: int) -> float:
         fn()
         times.append(time.perf_counter() - t)
     return min(times)
+
+
+def cached_choice(cache_dir: Path, name: str, key: str, measure: Callable[[], tuple[bool, str]]) -> tuple[bool, str]:
+    """``measure()`` (``(faster, how)``) run once per machine and kept in ``cache_dir/{name}-{hash}.json``.
+
+    A start-up timing on a shared machine can flip with the load of the moment; keeping the first answer, keyed
+    by ``key`` plus the CPU's model and flags, gives every later start, and every restart after a failure, the
+    same kernels and so the same outputs. Delete the file to measure again. Returns ``(faster, how)``.
+    """
+    flags = ""
+    with contextlib.suppress(OSError):
+        with open("/proc/cpuinfo") as f:
+            info = f.read()
+        flags = " ".join(line for line in info.splitlines() if line.startswith(("model name", "flags")))[:4000]
+    digest = hashlib.sha256(f"{platform.machine()}|{flags}|{key}".encode()).hexdigest()[:16]
+    path = cache_dir / f"{name}-{digest}.json"
+    with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+        doc = json.loads(path.read_text())
+        return bool(doc["faster"]), f"{doc['how']}, measured earlier ({path})"
+    faster, how = measure()
+    with contextlib.suppress(OSError):
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps({"faster": faster, "how": how}))
+        os.replace(tmp, path)
+    return faster, how

@@ -70,6 +70,7 @@ class ServerArgs(msgspec.Struct, frozen=True, kw_only=True):
     max_lora_rank: int = 64
     lora_target_modules: list[str] = []
     lora_eviction_policy: str = "lru"
+    lora_backend: str = "auto"  # auto | cpu-sgmv (gpu_worker/csrc/lora_sgmv.c) | torch
     lora_root: str = ""
     base_dir: str = ""  # where launch.py ran: relative adapter paths given at run time are relative to it
     max_loaded_loras: int = 0  # host-memory tier bound (0 = unbounded)

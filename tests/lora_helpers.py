@@ -145,8 +145,10 @@ def tiny_pool(
     tp_size: int = 1,
     rank: int = 0,
     dtype: torch.dtype = torch.float32,
+    backend: str = "auto",
 ):
-    """An in-process :class:`LoraPool` over the tiny config (CPU, ``dtype``, fp32 by default)."""
+    """An in-process :class:`LoraPool` over the tiny config (CPU, ``dtype``, fp32 by default; ``backend`` is
+    ``--lora-backend``)."""
     from gpu_worker.lora_pool import LoraPool
     from gpu_worker.tp_plan import plan_for_model
 
@@ -156,6 +158,7 @@ def tiny_pool(
         max_lora_rank=max_rank,
         lora_eviction_policy=policy,
         lora_target_modules=list(targets or ALL),
+        lora_backend=backend,
     )
     plan = plan_for_model(cfg, tp_size, rank)
     return LoraPool(args, cfg, plan, dtype, torch.device("cpu"))

@@ -140,7 +140,7 @@ def test_batch_needing_more_than_all_slots_is_refused(adapters):
 
 
 def _slot_clean_beyond(pool, s, layer, m, r):
-    return float(pool.A[layer][m][s, r:].abs().sum()) == 0 and float(pool.B[layer][m][s, :, r:].abs().sum()) == 0
+    return float(pool.A[layer][m][s, r:].abs().sum()) == 0 and float(pool.b_matrix(layer, m, s)[r:].abs().sum()) == 0
 
 
 def test_takeover_by_fewer_modules_zeroes_the_rest(adapters):
@@ -172,21 +172,23 @@ def _expected_delta(folder, layer, m, x, r, scale):
     return (x @ a.T @ b.T) * scale
 
 
-@pytest.mark.parametrize("path", ["batched", "segments"])
+@pytest.mark.parametrize("path", ["batched", "segments", "cpu-sgmv"])
 @pytest.mark.parametrize("max_rank", [8, 32], ids=["max-rank-8", "max-rank-32"])
 def test_batched_apply_matches_per_adapter_maths(adapters, monkeypatch, path, max_rank):
     """Mixed batch (base, full8, qv2, pattern, base) through LoraBatch.add equals x A^T B^T * scaling per row, on
-    both apply paths, with adapters at and well below --max-lora-rank (the shrink runs at the batch's rank)."""
+    all three apply paths (torch batched, torch per segment, the C kernel), with adapters at and well below
+    --max-lora-rank (the shrink runs at the batch's rank)."""
     import gpu_worker.lora_pool as lp
     from gpu_worker.lora_pool import FUSED
 
     monkeypatch.setattr(lp.LoraBatch, "PAD_LIMIT", 1e9 if path == "batched" else -1e9)
-    pool = tiny_pool(slots=3, max_rank=max_rank)
+    pool = tiny_pool(slots=3, max_rank=max_rank, backend="cpu-sgmv" if path == "cpu-sgmv" else "torch")
+    assert (pool.sgmv is not None) == (path == "cpu-sgmv")
     load(pool, adapters, "full8", "qv2", "pattern")
     uids = [None, "full8", "qv2", "pattern", None, "full8"]
     lens = [2, 3, 1, 2, 1, 2]
     batch = pool.prepare(uids, lens)
-    assert (batch._batched is not None) == (path == "batched")
+    assert (batch._batched is not None) == (path == "batched") or path == "cpu-sgmv"
     T = sum(lens)
     g = torch.Generator().manual_seed(0)
     scales = {
@@ -218,16 +220,21 @@ def test_batched_apply_matches_per_adapter_maths(adapters, monkeypatch, path, ma
             torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("slots_fp32", [False, True], ids=["bf16-slots", "fp32-slots"])
-def test_bf16_apply_matches_fp32_apply(adapters, monkeypatch, slots_fp32):
-    """A bf16 model's apply (slots in bf16, or in fp32 as on CPUs with slow bf16 GEMMs) tracks the fp32 maths,
-    interleaved segments included, and leaves base rows untouched."""
+@pytest.mark.parametrize(
+    "slots_fp32,backend",
+    [(False, "torch"), (True, "torch"), (False, "cpu-sgmv")],
+    ids=["bf16-slots", "fp32-slots", "cpu-sgmv"],
+)
+def test_bf16_apply_matches_fp32_apply(adapters, monkeypatch, slots_fp32, backend):
+    """A bf16 model's apply (slots in bf16, or in fp32 as on CPUs with slow bf16 GEMMs, or the C kernel's bf16
+    slots) tracks the fp32 maths, interleaved segments included, and leaves base rows untouched."""
     import gpu_worker.lora_pool as lp
 
     monkeypatch.setattr(lp, "measure_slot_dtype", lambda d, dev: torch.float32 if slots_fp32 else d)
-    ref = tiny_pool(slots=3, max_rank=8)
-    half = tiny_pool(slots=3, max_rank=8, dtype=torch.bfloat16)
+    ref = tiny_pool(slots=3, max_rank=8, backend="torch")
+    half = tiny_pool(slots=3, max_rank=8, dtype=torch.bfloat16, backend=backend)
     assert half.slot_dtype == (torch.float32 if slots_fp32 else torch.bfloat16)
+    assert (half.sgmv is not None) == (backend == "cpu-sgmv")
     uids = ["full8", None, "qv2", "full8", "pattern"]
     lens = [3, 2, 1, 2, 4]
     for pool in (ref, half):
@@ -263,10 +270,10 @@ def test_tp_shards_of_a_pool_add_up_to_the_whole(adapters):
             cat_a = torch.cat([p.A[1][m][0] for p in parts], dim=1)
             torch.testing.assert_close(cat_a, whole.A[1][m][0])
             for p in parts:
-                torch.testing.assert_close(p.B[1][m][0], whole.B[1][m][0])
+                torch.testing.assert_close(p.b_matrix(1, m, 0), whole.b_matrix(1, m, 0))
         else:
-            cat_b = torch.cat([p.B[1][m][0] for p in parts], dim=0)
-            torch.testing.assert_close(cat_b, whole.B[1][m][0])
+            cat_b = torch.cat([p.b_matrix(1, m, 0) for p in parts], dim=1)
+            torch.testing.assert_close(cat_b, whole.b_matrix(1, m, 0))
 
 
 # ----------------------------------------------------------------------------- host cache

@@ -1,0 +1,280 @@
+/* Segmented LoRA shrink + expand for CPU tensors (Punica's SGMV idea, arXiv 2310.18547, written for CPUs).
+ *
+ * One call applies the LoRA of one fused projection (e.g. q|k|v) of one layer to a whole step:
+ *   for every segment (slot s, positions p0..p1 of the token list tok) and sub-module k, t = tok[p]:
+ *     u[t, j*nmod + k] = x[t] . A[s, j*nmod + k]              (shrink, j < the segment's largest rank)
+ *     out[t, col_k + o] += sum_{j < rank[s][k]} u[t, j*nmod+k] * B_k[s, j, o]   (expand)
+ * Accumulation is fp32; x/out and the slot weights may each be bf16 or fp32. Plain C, compiled on the
+ * serving machine with -O3 -march=native, so the compiler picks the vector ISA the CPU has (AVX2, AVX-512);
+ * the inner loops have fixed widths so they vectorise. Why not torch: a step makes ~120 of these small
+ * GEMMs per fused projection set, and torch's bmm costs 100-200 us of fixed overhead each on this CPU.
+ * Threads: OpenMP when built with it (the process shares torch's libgomp), over token blocks x columns.
+ */
+#include <stdint.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#define TB 8   /* most tokens per block: their accumulators stay in vector registers */
+#define VW 16  /* fp32 lanes per vector (GCC/Clang vector extensions: AVX-512 = one register, AVX2 = two) */
+#define JB 16  /* shrink rows per work item */
+#define MAXIN 4096
+
+typedef float v16 __attribute__((vector_size(64)));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
+typedef int32_t i32x16 __attribute__((vector_size(64)));
+typedef uint16_t u16x16 __attribute__((vector_size(32)));
+
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40); /* quiet NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);                                           /* round to nearest even */
+    return (uint16_t)(u >> 16);
+}
+
+static inline v16 ldf(const float* p) {
+    v16 v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline v16 ldh(const uint16_t* p) { /* 16 bf16 -> fp32 (a bf16 is the top half of an fp32) */
+    u16x16 h;
+    memcpy(&h, p, sizeof h);
+    u32x16 w = __builtin_convertvector(h, u32x16) << 16;
+    v16 f;
+    memcpy(&f, &w, sizeof f);
+    return f;
+}
+
+static inline void sth(uint16_t* p, v16 f) { /* 16 fp32 -> bf16, round to nearest even, NaN stays NaN */
+    u32x16 u;
+    memcpy(&u, &f, sizeof u);
+    u32x16 r = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    i32x16 nan = (i32x16)((u & 0x7fffffffu) > 0x7f800000u);
+    r = (r & ~(u32x16)nan) | (((u >> 16) | 0x40u) & (u32x16)nan);
+    u16x16 h = __builtin_convertvector(r, u16x16);
+    memcpy(p, &h, sizeof h);
+}
+
+static inline float hsum(v16 v) {
+    float s = 0.f;
+    for (int i = 0; i < VW; i++) s += v[i];
+    return s;
+}
+
+/* x rows tok[0..nt) as fp32 into xf [TB][in_dim], rows nt.. zero */
+static void load_x(const void* x, int x_bf16, int64_t in_dim, const int64_t* tok, int nt, float* xf) {
+    memset(xf + (int64_t)nt * in_dim, 0, sizeof(float) * (TB - nt) * in_dim);
+    for (int t = 0; t < nt; t++) {
+        float* d = xf + (int64_t)t * in_dim;
+        if (x_bf16) {
+            const uint16_t* s = (const uint16_t*)x + tok[t] * in_dim;
+            for (int64_t i = 0; i < in_dim; i++) d[i] = bf16_to_f32(s[i]);
+        } else {
+            memcpy(d, (const float*)x + tok[t] * in_dim, sizeof(float) * in_dim);
+        }
+    }
+}
+
+/* u[t, j] = xf[t] . w for NT tokens (one slot row w, fp32, in_dim long); NT is a compile-time constant so the
+ * NT accumulators are registers */
+#define DEFINE_DOT(NT)                                                                                         \
+    static inline void dot##NT(const float* xf, const float* w, int64_t in_dim, float* u, int64_t u_stride,   \
+                               int nt) {                                                                       \
+        v16 acc[NT];                                                                                           \
+        for (int t = 0; t < NT; t++) acc[t] = (v16){0};                                                        \
+        int64_t i = 0;                                                                                         \
+        for (; i + VW <= in_dim; i += VW) {                                                                    \
+            v16 wv = ldf(w + i);                                                                               \
+            for (int t = 0; t < NT; t++) acc[t] += ldf(xf + t * in_dim + i) * wv;                              \
+        }                                                                                                      \
+        for (int t = 0; t < nt; t++) {                                                                         \
+            float s = hsum(acc[t]);                                                                            \
+            for (int64_t r = i; r < in_dim; r++) s += xf[t * in_dim + r] * w[r];                               \
+            u[t * u_stride] = s;                                                                               \
+        }                                                                                                      \
+    }
+DEFINE_DOT(1)
+DEFINE_DOT(2)
+DEFINE_DOT(4)
+DEFINE_DOT(8)
+
+/* u[p, j0..j1) for positions p0..p0+nt of one slot matrix a (rows of in_dim) */
+static void shrink_block(const float* xf, int nt, const void* a, int w_bf16, int64_t in_dim, int64_t j0, int64_t j1,
+                         float* u, int64_t u_stride, int64_t p0) {
+    float wrow[MAXIN];
+    for (int64_t j = j0; j < j1; j++) {
+        const float* w;
+        if (w_bf16) {
+            const uint16_t* s = (const uint16_t*)a + j * in_dim;
+            int64_t i = 0;
+            for (; i + VW <= in_dim; i += VW) {
+                __builtin_prefetch(s + 2 * in_dim + i);
+                v16 f = ldh(s + i);
+                memcpy(wrow + i, &f, sizeof f);
+            }
+            for (; i < in_dim; i++) wrow[i] = bf16_to_f32(s[i]);
+            w = wrow;
+        } else {
+            w = (const float*)a + j * in_dim;
+        }
+        float* uj = u + p0 * u_stride + j;
+        /* a block of nt tokens runs the next power-of-two kernel on zero-padded rows of xf: one pass over w */
+        if (nt > 4) dot8(xf, w, in_dim, uj, u_stride, nt);
+        else if (nt > 2) dot4(xf, w, in_dim, uj, u_stride, nt);
+        else if (nt > 1) dot2(xf, w, in_dim, uj, u_stride, nt);
+        else dot1(xf, w, in_dim, uj, u_stride, nt);
+    }
+}
+
+#define BC (2 * VW) /* columns per block of B */
+#define PF 16       /* rows of a B block prefetched ahead (may run past the block: prefetches never fault) */
+
+/* out[off .. off+ow) += (lo|hi)[..ow) in out's dtype */
+static inline void store_add(void* out, int64_t off, int out_bf16, v16 lo, v16 hi, int64_t ow) {
+    if (ow == BC) {
+        if (out_bf16) {
+            uint16_t* o = (uint16_t*)out + off;
+            sth(o, ldh(o) + lo), sth(o + VW, ldh(o + VW) + hi);
+        } else {
+            float* o = (float*)out + off;
+            v16 s0 = ldf(o) + lo, s1 = ldf(o + VW) + hi;
+            memcpy(o, &s0, sizeof s0), memcpy(o + VW, &s1, sizeof s1);
+        }
+        return;
+    }
+    for (int64_t v = 0; v < ow; v++) {
+        float d = v < VW ? lo[v] : hi[v - VW];
+        if (out_bf16) {
+            uint16_t* o = (uint16_t*)out + off + v;
+            *o = f32_to_bf16(bf16_to_f32(*o) + d);
+        } else {
+            ((float*)out)[off + v] += d;
+        }
+    }
+}
+
+/* out[t, col + c*BC ..) += sum_j u[t, j*nmod + k] * blk[j, 0..BC) for NT tokens, storing the first ow <= BC
+ * columns. blk is one column block of B: all ranks of BC = 32 columns, contiguous (j-major), so a block streams
+ * from memory in order; for bf16 each j is one 64-byte line. */
+#define DEFINE_AXPY(NT)                                                                                           \
+    static inline void axpy##NT(const float* u, int64_t u_stride, int64_t nmod, int64_t k, int64_t r,             \
+                                const void* blk, int w_bf16, void* out, const int64_t* offs, int out_bf16, int nt,  \
+                                int64_t ow) {                                                                     \
+        v16 lo[NT], hi[NT];                                                                                       \
+        for (int t = 0; t < NT; t++) lo[t] = hi[t] = (v16){0};                                                    \
+        for (int64_t j = 0; j < r; j++) {                                                                         \
+            v16 b0, b1;                                                                                           \
+            __builtin_prefetch((const char*)blk + (j + PF) * BC * (w_bf16 ? 2 : 4));                              \
+            if (w_bf16) {                                                                                         \
+                const uint16_t* br = (const uint16_t*)blk + j * BC;                                               \
+                b0 = ldh(br), b1 = ldh(br + VW);                                                                  \
+            } else {                                                                                              \
+                const float* br = (const float*)blk + j * BC;                                                     \
+                b0 = ldf(br), b1 = ldf(br + VW);                                                                  \
+            }                                                                                                     \
+            for (int t = 0; t < NT; t++) {                                                                        \
+                float uj = u[t * u_stride + j * nmod + k];                                                        \
+                lo[t] += uj * b0, hi[t] += uj * b1;                                                               \
+            }                                                                                                     \
+        }                                                                                                         \
+        for (int t = 0; t < nt; t++) store_add(out, offs[t], out_bf16, lo[t], hi[t], ow);                         \
+    }
+
+DEFINE_AXPY(1)
+DEFINE_AXPY(2)
+DEFINE_AXPY(4)
+DEFINE_AXPY(8)
+
+/* out rows tok[p0..p0+nt), columns col + o0 .. (one column block) */
+static void expand_block(const float* u, int64_t u_stride, int64_t nmod, int64_t k, int64_t r, const void* blk,
+                         int w_bf16, int64_t out_k, int64_t o0, int nt, int64_t p0, const int64_t* tok, void* out,
+                         int64_t out_stride, int out_bf16, int64_t col) {
+    const float* ut = u + p0 * u_stride;
+    int64_t offs[TB];
+    for (int t = 0; t < nt; t++) offs[t] = tok[p0 + t] * out_stride + col + o0;
+    int64_t ow = out_k - o0 < BC ? out_k - o0 : BC;
+    /* nt <= TB tokens run the next power-of-two kernel: rows past the block read other positions' u (or the
+     * zeroed padding rows after the last one) and are never stored */
+    if (nt > 4) axpy8(ut, u_stride, nmod, k, r, blk, w_bf16, out, offs, out_bf16, nt, ow);
+    else if (nt > 2) axpy4(ut, u_stride, nmod, k, r, blk, w_bf16, out, offs, out_bf16, nt, ow);
+    else if (nt > 1) axpy2(ut, u_stride, nmod, k, r, blk, w_bf16, out, offs, out_bf16, nt, ow);
+    else axpy1(ut, u_stride, nmod, k, r, blk, w_bf16, out, offs, out_bf16, nt, ow);
+}
+
+/* Returns 0, or -1 when in_dim is over the kernel's row buffer (the caller then uses its torch path).
+ * tok: the LoRA tokens' rows of x/out, grouped by slot; seg: nseg x (slot, p0, p1) into tok. ranks: [slots, nmod] int32 of this layer (0 = slot has no weights there).
+ * A: [slots, a_rows, in_dim] (a_rows = max_rank * nmod). B[k]: [slots, ceil(out_k[k] / 32), max_rank, 32] (column
+ * blocks, zero past out_k[k]). u: [T, u_stride] fp32
+ * scratch [len(tok) + TB - 1, u_stride >= a_rows] whose rows past len(tok) are zero. */
+int loom_lora_sgmv(int64_t in_dim, const void* x, int x_bf16, void* out, int64_t out_stride, int out_bf16,
+                   const int64_t* tok,
+                   int64_t nseg, const int64_t* seg, const void* A, int64_t a_slot_stride, int w_bf16, int64_t nmod,
+                   const int32_t* ranks, const void* const* B, const int64_t* b_slot_stride, int64_t max_rank,
+                   const int64_t* out_k, const int64_t* col_k, float* u, int64_t u_stride) {
+    if (in_dim > MAXIN) return -1;
+    const int64_t esz = w_bf16 ? 2 : 4;
+#ifdef _OPENMP
+#pragma omp parallel
+#endif
+    {
+        float xf[TB * MAXIN];
+        int64_t xf_p0 = -1, xf_nt = 0; /* the token block xf holds (static schedules hand a thread runs of one block) */
+        /* shrink: work items = (segment, token block, row block) */
+        for (int64_t g = 0; g < nseg; g++) {
+            int64_t s = seg[3 * g], p0 = seg[3 * g + 1], p1 = seg[3 * g + 2];
+            int64_t rmax = 0;
+            for (int64_t k = 0; k < nmod; k++)
+                if (ranks[s * nmod + k] > rmax) rmax = ranks[s * nmod + k];
+            if (!rmax) continue;
+            int64_t rows = rmax * nmod, nj = (rows + JB - 1) / JB, ntb = (p1 - p0 + TB - 1) / TB;
+            const char* a = (const char*)A + s * a_slot_stride * esz;
+#ifdef _OPENMP
+#pragma omp for schedule(static) nowait
+#endif
+            for (int64_t it = 0; it < ntb * nj; it++) {
+                int64_t tb = it / nj, jb = it % nj;
+                int64_t pa = p0 + tb * TB;
+                int nt = (int)((p1 - pa) < TB ? (p1 - pa) : TB);
+                if (pa != xf_p0 || nt != xf_nt) load_x(x, x_bf16, in_dim, tok + pa, nt, xf), xf_p0 = pa, xf_nt = nt;
+                int64_t j1 = (jb + 1) * JB < rows ? (jb + 1) * JB : rows;
+                shrink_block(xf, nt, a, w_bf16, in_dim, jb * JB, j1, u, u_stride, pa);
+            }
+        }
+#ifdef _OPENMP
+#pragma omp barrier
+#endif
+        /* expand: work items = (segment, sub-module, token block, column chunk); each owns its out cells */
+        for (int64_t g = 0; g < nseg; g++) {
+            int64_t s = seg[3 * g], p0 = seg[3 * g + 1], p1 = seg[3 * g + 2];
+            int64_t ntb = (p1 - p0 + TB - 1) / TB;
+            for (int64_t k = 0; k < nmod; k++) {
+                int64_t r = ranks[s * nmod + k];
+                if (!r) continue;
+                int64_t nc = (out_k[k] + BC - 1) / BC;
+                const char* b = (const char*)B[k] + s * b_slot_stride[k] * esz;
+#ifdef _OPENMP
+#pragma omp for schedule(static) nowait
+#endif
+                for (int64_t it = 0; it < ntb * nc; it++) {
+                    int64_t tb = it / nc, c = it % nc;
+                    int64_t pa = p0 + tb * TB;
+                    int nt = (int)((p1 - pa) < TB ? (p1 - pa) : TB);
+                    expand_block(u, u_stride, nmod, k, r, b + c * max_rank * BC * esz, w_bf16, out_k[k], c * BC, nt, pa, tok, out, out_stride,
+                                 out_bf16, col_k[k]);
+                }
+            }
+        }
+    }
+    return 0;
+}

@@ -1,0 +1,267 @@
+"""The CPU segmented-LoRA kernel (``csrc/lora_sgmv.c``): built once per machine with the system C compiler.
+
+The kernel is plain C compiled with ``-O3 -march=native`` (so the vector ISA is whatever this CPU has) and
+OpenMP (it then shares torch's already-loaded libgomp, so both use one thread pool). The shared object is
+kept in ``$LOOM_CACHE_DIR/kernels/`` under a key of the source, the compiler's version and the CPU's flags;
+TP ranks that build at the same time each write a private file and rename it into place. No compiler, or a
+build or load that fails, only costs the fast path: :func:`load_sgmv` returns None and the pool keeps its
+torch path. ``import torch`` comes first on purpose: torch's libgomp is then loaded, and the kernel binds to it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+from functools import cache
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).resolve().parent / "csrc" / "lora_sgmv.c"
+MAX_IN_DIM = 4096  # the kernel's per-thread row buffers; wider inputs use the torch path
+BLOCK_COLS = 32  # output columns per block of an expand buffer (one 64-byte line of bf16 per rank)
+
+_I64, _I32, _P = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
+_ARGTYPES = [
+    _I64,  # in_dim
+    _P,  # x
+    _I32,  # x_bf16
+    _P,  # out
+    _I64,  # out_stride (elements)
+    _I32,  # out_bf16
+    _P,  # tok (int64: the LoRA tokens' rows, grouped by slot)
+    _I64,  # nseg
+    _P,  # seg (int64 nseg x 3)
+    _P,  # A (slot 0 of the fused buffer)
+    _I64,  # a_slot_stride (elements)
+    _I32,  # w_bf16
+    _I64,  # nmod
+    _P,  # ranks (int32 [slots, nmod] of this layer)
+    _P,  # B (nmod pointers)
+    _P,  # b_slot_stride (int64 x nmod)
+    _I64,  # max_rank
+    _P,  # out_k (int64 x nmod)
+    _P,  # col_k (int64 x nmod)
+    _P,  # u scratch (fp32)
+    _I64,  # u_stride
+]
+
+
+def _cpu_flags() -> str:
+    with contextlib.suppress(OSError):
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return line
+    return platform.processor()
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+
+
+def _build(cc: str, out: Path, openmp: bool) -> None:
+    flags = ["-O3", "-march=native", "-ffast-math", "-fPIC", "-shared", "-std=c11"]
+    if openmp:
+        flags.append("-fopenmp")
+    tmp = out.with_name(f"{out.name}.tmp{os.getpid()}")
+    try:
+        subprocess.run([cc, *flags, str(SOURCE), "-o", str(tmp)], check=True, capture_output=True, timeout=120)
+        os.replace(tmp, out)
+    finally:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+
+
+@cache
+def load_sgmv(cache_dir: Path) -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+    """The ``loom_lora_sgmv`` C function (argtypes set), building it into ``cache_dir`` on first use.
+
+    Returns None, after one log line saying why, when there is no C compiler or the build or load fails.
+    """
+    cc = _compiler()
+    if cc is None:
+        log.info("no C compiler (cc/gcc/clang): LoRA uses the torch path")
+        return None
+    try:
+        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError) as e:
+        log.info("C compiler %s unusable (%s): LoRA uses the torch path", cc, e)
+        return None
+    key = hashlib.sha256(
+        SOURCE.read_bytes() + version.encode() + _cpu_flags().encode() + platform.machine().encode()
+    ).hexdigest()[:16]
+    for openmp in (True, False):
+        path = cache_dir / f"lora_sgmv-{key}{'-omp' if openmp else ''}.so"
+        try:
+            if not path.exists():
+                cache_dir.mkdir(parents=True, exist_ok=True)
+                _build(cc, path, openmp)
+            fn = ctypes.CDLL(str(path)).loom_lora_sgmv
+        except (OSError, subprocess.SubprocessError) as e:
+            err = getattr(e, "stderr", b"") or b""
+            log.info("LoRA kernel build/load (openmp=%s) failed: %s %s", openmp, e, err.decode(errors="replace")[-500:])
+            continue
+        fn.argtypes = _ARGTYPES
+        fn.restype = ctypes.c_int
+        return fn
+    return None
+
+
+class SgmvLayerArgs:
+    """The constant arguments of one (layer, fused projection) call: slot buffers, ranks, column offsets.
+
+    ``A`` is the fused shrink buffer ``[slots, max_rank * nmod, in]``, ``Bs`` the sub-modules' expand buffers in
+    column blocks ``[slots, ceil(out_k / BLOCK_COLS), max_rank, BLOCK_COLS]`` (zero past ``out_k``), ``outs``
+    their real widths, ``ranks`` an int32 ``[slots, nmod]`` view kept current by the pool, ``cols`` each
+    sub-module's first column in the fused output. All tensors must outlive this object (the pool's do).
+    """
+
+    def __init__(
+        self, A: torch.Tensor, Bs: list[torch.Tensor], outs: list[int], ranks: torch.Tensor, cols: list[int]
+    ) -> None:
+        n = len(Bs)
+        self._keep = (A, Bs, ranks)
+        self.in_dim = A.shape[2]
+        self.w_bf16 = int(A.dtype == torch.bfloat16)
+        self.b_ptrs = (ctypes.c_void_p * n)(*[b.data_ptr() for b in Bs])
+        self.b_strides = (ctypes.c_int64 * n)(*[b.stride(0) for b in Bs])
+        self.out_k = (ctypes.c_int64 * n)(*outs)
+        self.col_k = (ctypes.c_int64 * n)(*cols)
+        self.tail = (
+            A.data_ptr(), A.stride(0), self.w_bf16, n, ranks.data_ptr(), self.b_ptrs, self.b_strides, Bs[0].shape[2]
+        )  # fmt: skip
+
+
+KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def sgmv_add(
+    fn: ctypes._CFuncPtr,  # type: ignore[name-defined]
+    la: SgmvLayerArgs,
+    x: torch.Tensor,
+    out: torch.Tensor,
+    tok: torch.Tensor,
+    seg: torch.Tensor,
+    u: torch.Tensor,
+) -> None:
+    """``out[t, cols_k] += (x[t] @ A_k[s]^T) @ B_k[s]`` for each ``t = tok[p]``, ``p0 <= p < p1``, of every
+    segment ``(s, p0, p1)`` of ``seg``.
+
+    ``x`` ``[T, in]`` and ``out`` ``[T, out_total]`` are CPU fp32/bf16 tensors; ``tok`` int64 ``[P]`` lists the
+    rows with an adapter grouped by slot (so each slot's weights are read once per call however its requests
+    interleave with others), ``seg`` int64 ``[nseg, 3]``; ``u`` fp32 scratch ``[P + 8, >= max_rank * nmod]``
+    whose rows past ``P`` are zero. ``out`` must have contiguous rows (it is written in place); ``x`` is made
+    contiguous if it is not.
+
+    Raises ValueError for a dtype, width or ``out`` layout the kernel does not take.
+    """
+    if x.dtype not in KERNEL_DTYPES or out.dtype not in KERNEL_DTYPES or out.stride(1) != 1 or x.shape[1] != la.in_dim:
+        raise ValueError(
+            f"cpu-sgmv takes fp32/bf16 x [T, {la.in_dim}] and out with contiguous rows, got x {x.dtype} "
+            f"{tuple(x.shape)}, out {out.dtype} strides {out.stride()}"
+        )
+    x = x.contiguous()
+    rc = fn(
+        la.in_dim,
+        x.data_ptr(),
+        int(x.dtype == torch.bfloat16),
+        out.data_ptr(),
+        out.stride(0),
+        int(out.dtype == torch.bfloat16),
+        tok.data_ptr(),
+        seg.shape[0],
+        seg.data_ptr(),
+        *la.tail,
+        la.out_k,
+        la.col_k,
+        u.data_ptr(),
+        u.stride(0),
+    )
+    if rc:
+        raise ValueError(f"cpu-sgmv: input width {la.in_dim} over the kernel's {MAX_IN_DIM}")
+
+
+def _kernel_beats_torch(fn: ctypes._CFuncPtr, dtype: torch.dtype) -> tuple[bool, str]:  # type: ignore[name-defined]
+    """Time one decode-shaped qkv apply (8 slots x 8 tokens, 576 wide, rank 32) both ways; fastest of 15."""
+    from gpu_worker.timing import best_time
+
+    n, tm, d, r, outs = 8, 8, 576, 32, (576, 192, 192)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(n * tm, d, generator=g).to(dtype)
+    out = torch.zeros(n * tm, sum(outs), dtype=dtype)
+    a = (torch.randn(n, 3 * r, d, generator=g) * 0.05).to(dtype)
+    bs = [(torch.randn(n, r, o, generator=g) * 0.05).to(dtype) for o in outs]
+    ranks = torch.full((n, 3), r, dtype=torch.int32)
+    blocked = [
+        b.view(n, r, o // BLOCK_COLS, BLOCK_COLS).transpose(1, 2).contiguous() for b, o in zip(bs, outs, strict=True)
+    ]
+    la = SgmvLayerArgs(a, blocked, list(outs), ranks, [0, outs[0], outs[0] + outs[1]])
+    seg = torch.tensor([[s, s * tm, (s + 1) * tm] for s in range(n)], dtype=torch.int64)
+    tok = torch.arange(n * tm)
+    u = torch.zeros(n * tm + 8, 3 * r)
+
+    def torch_apply(aa: torch.Tensor, bb: list[torch.Tensor]) -> None:
+        uu = torch.bmm(x.to(aa.dtype).view(n, tm, d), aa.transpose(1, 2)).view(n, tm, r, 3)
+        dd = torch.cat([torch.bmm(uu[:, :, :, k], bb[k]) for k in range(3)], dim=2)
+        out.add_(dd.view(n * tm, -1).to(dtype))
+
+    t_kernel = best_time(lambda: sgmv_add(fn, la, x, out, tok, seg, u), 15)
+    t_torch = best_time(lambda: torch_apply(a, bs), 15)
+    if dtype != torch.float32:  # the torch path may hold fp32 slots on CPUs with slow half GEMMs
+        t_torch = min(t_torch, best_time(lambda: torch_apply(a.float(), [b.float() for b in bs]), 15))
+    how = f"decode-shaped qkv apply: cpu-sgmv {t_kernel * 1e6:.0f} us, torch {t_torch * 1e6:.0f} us"
+    return t_kernel < t_torch, how
+
+
+def choose_backend(
+    requested: str,
+    dtype: torch.dtype,
+    device: torch.device,
+    cache_dir: Path,
+    group: object | None = None,
+    widest_in: int = 0,
+) -> tuple[ctypes._CFuncPtr | None, str]:  # type: ignore[name-defined]
+    """``--lora-backend`` resolved: the kernel function (None = the torch path) and a line saying why.
+
+    ``auto`` takes the kernel on CPU when it builds and a start-up timing (cached per machine, like
+    ``--quantization auto``) finds it faster; TP ranks vote so all use the same one. ``widest_in`` is the
+    widest LoRA input on this rank. Raises RuntimeError for ``cpu-sgmv`` where the kernel cannot run (not a
+    CPU, a dtype other than fp32/bf16, an input wider than ``MAX_IN_DIM``, no compiler).
+    """
+    if requested == "torch":
+        return None, "--lora-backend torch"
+    usable = device.type == "cpu" and dtype in KERNEL_DTYPES and widest_in <= MAX_IN_DIM
+    fn = load_sgmv(cache_dir / "kernels") if usable else None
+    if requested == "cpu-sgmv":
+        if fn is None:
+            why = (
+                "a C compiler (cc) to build it"
+                if usable
+                else f"a CPU, fp32/bf16 and inputs <= {MAX_IN_DIM} wide (have {device}, {dtype}, {widest_in})"
+            )
+            raise RuntimeError(f"--lora-backend cpu-sgmv needs {why}")
+        return fn, "--lora-backend cpu-sgmv"
+    if fn is None:
+        return None, f"auto: torch (the C kernel is for CPU fp32/bf16, inputs <= {MAX_IN_DIM}, and needs a C compiler)"
+    key = f"{torch.__version__}|{dtype}|{hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:16]}"
+    from gpu_worker.timing import cached_choice
+
+    faster, how = cached_choice(
+        cache_dir / "kernel-choice", "lora-sgmv-vs-torch", key, lambda: _kernel_beats_torch(fn, dtype)
+    )
+    if group is not None:
+        import torch.distributed as dist
+
+        vote = torch.tensor([int(faster)])
+        dist.all_reduce(vote, op=dist.ReduceOp.MIN, group=group)
+        faster = bool(vote.item())
+    return (fn if faster else None), f"auto: {'cpu-sgmv' if faster else 'torch'} ({how})"
