@@ -47,7 +47,6 @@ _ARGTYPES = [
     _P,  # ranks (int32 [slots, nmod] of this layer)
     _P,  # B (nmod pointers)
     _P,  # b_slot_stride (int64 x nmod)
-    _I64,  # max_rank
     _P,  # out_k (int64 x nmod)
     _P,  # col_k (int64 x nmod)
     _P,  # u scratch (fp32)
@@ -119,8 +118,9 @@ def load_sgmv(cache_dir: Path) -> ctypes._CFuncPtr | None:  # type: ignore[name-
 class SgmvLayerArgs:
     """The constant arguments of one (layer, fused projection) call: slot buffers, ranks, column offsets.
 
-    ``A`` is the fused shrink buffer ``[slots, max_rank * nmod, in]``, ``Bs`` the sub-modules' expand buffers in
-    column blocks ``[slots, ceil(out_k / BLOCK_COLS), max_rank, BLOCK_COLS]`` (zero past ``out_k``), ``outs``
+    ``A`` is the fused shrink buffer ``[slots, max_rank * nmod, in]``, ``Bs`` the sub-modules' expand buffers
+    ``[slots, >= ceil(out_k / BLOCK_COLS) * max_rank * BLOCK_COLS]``, each slot packed at its rank r as column
+    blocks ``[ceil(out_k / BLOCK_COLS), r, BLOCK_COLS]`` (zero past ``out_k``), ``outs``
     their real widths, ``ranks`` an int32 ``[slots, nmod]`` view kept current by the pool, ``cols`` each
     sub-module's first column in the fused output. All tensors must outlive this object (the pool's do).
     """
@@ -137,7 +137,7 @@ class SgmvLayerArgs:
         self.out_k = (ctypes.c_int64 * n)(*outs)
         self.col_k = (ctypes.c_int64 * n)(*cols)
         self.tail = (
-            A.data_ptr(), A.stride(0), self.w_bf16, n, ranks.data_ptr(), self.b_ptrs, self.b_strides, Bs[0].shape[2]
+            A.data_ptr(), A.stride(0), self.w_bf16, n, ranks.data_ptr(), self.b_ptrs, self.b_strides
         )  # fmt: skip
 
 

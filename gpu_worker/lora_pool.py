@@ -19,6 +19,7 @@ import logging
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from gpu_worker.lora_cache import CacheKey, HostWeightCache
 from gpu_worker.lora_kernel import BLOCK_COLS, SgmvLayerArgs, choose_backend, sgmv_add
@@ -138,19 +139,26 @@ class LoraPool:
                 )
 
     def _b_shape(self, fout: int) -> tuple[int, ...]:
-        """An expand buffer's shape: ``[slots, max_rank, out]``, or for the C kernel column blocks of
-        ``BLOCK_COLS`` that each hold all ranks, ``[slots, ceil(out / BLOCK_COLS), max_rank, BLOCK_COLS]``, so
-        one block of output columns streams from one contiguous run of memory."""
+        """An expand buffer's shape: ``[slots, max_rank, out]``; for the C kernel ``[slots, nblocks * max_rank *
+        BLOCK_COLS]``, each slot packed at its occupant's rank r as ``[nblocks, r, BLOCK_COLS]`` (column blocks
+        of all r ranks, zero past ``out``), so a slot's weights stream from memory in one run whatever r is."""
         if self.sgmv is None:
             return (self.n_slots, self.max_rank, fout)
-        return (self.n_slots, -(-fout // BLOCK_COLS), self.max_rank, BLOCK_COLS)
+        return (self.n_slots, -(-fout // BLOCK_COLS) * self.max_rank * BLOCK_COLS)
 
     def b_matrix(self, layer: int, m: str, s: int) -> torch.Tensor:
-        """Slot ``s``'s expand weights of ``m`` as ``[max_rank, out_local]`` (scaling folded in), either layout."""
+        """Slot ``s``'s expand weights of ``m`` as ``[max_rank, out_local]`` (scaling folded in), either layout.
+
+        For the kernel's packed layout, rows past the slot's rank are the rest of its buffer (zero unless
+        something of a previous occupant survived)."""
         b = self.B[layer][m][s]
         if self.sgmv is None:
             return b
-        return b.permute(1, 0, 2).reshape(self.max_rank, -1)[:, : self.local_dims[m][1]]
+        fout, r = self.local_dims[m][1], self.slot_rank[s][layer][m]
+        nb = -(-fout // BLOCK_COLS)
+        used = b[: nb * r * BLOCK_COLS].view(nb, r, BLOCK_COLS).transpose(0, 1).reshape(r, nb * BLOCK_COLS)
+        rest = b[nb * r * BLOCK_COLS :].view(self.max_rank - r, nb * BLOCK_COLS)
+        return torch.cat([used, rest])[:, :fout]
 
     def _fused_cols(self, fused: str) -> list[tuple[int, str, int]]:
         """(index in the fused A buffer, sub-module, first output column) of each targeted sub-module."""
@@ -259,22 +267,20 @@ class LoraPool:
                 fin, fout = self._local_dims(m)
                 a = self.cache.get(CacheKey(uid, layer, m, "A", *tp), (r, fin), self.dtype)
                 b = self.cache.get(CacheKey(uid, layer, m, "B", *tp), (fout, r), self.dtype)
-                if old > r:  # the previous occupant's extra rank rows must not survive
-                    self.A[layer][m][s, r:old].zero_()
-                    if self.sgmv is None:
-                        self.B[layer][m][s, r:old].zero_()
-                    else:
-                        self.B[layer][m][s, :, r:old].zero_()
                 self.A[layer][m][s, :r].copy_(a, non_blocking=nb)
                 if self.sgmv is None:
+                    if old > r:  # the previous occupant's extra rank rows must not survive
+                        self.B[layer][m][s, r:old].zero_()
                     self.B[layer][m][s, :r].copy_(b.T, non_blocking=nb)
-                else:  # [out, r] -> column blocks [ceil(out / BLOCK_COLS), r, BLOCK_COLS] (zero past out)
+                else:  # [out, r] -> [nblocks, r, BLOCK_COLS], zero past out, packed at rank r (see _b_shape)
+                    nblk = -(-fout // BLOCK_COLS)
+                    blocks = F.pad(b.T, (0, nblk * BLOCK_COLS - fout)).view(r, nblk, BLOCK_COLS).transpose(0, 1)
                     dst = self.B[layer][m][s]
-                    full = fout // BLOCK_COLS * BLOCK_COLS
-                    if full:
-                        dst[: full // BLOCK_COLS, :r].copy_(b[:full].view(-1, BLOCK_COLS, r).transpose(1, 2))
-                    if full < fout:
-                        dst[-1, :r, : fout - full].copy_(b[full:].T)
+                    dst[: nblk * r * BLOCK_COLS].view(nblk, r, BLOCK_COLS).copy_(blocks)
+                    if old > r:
+                        dst[nblk * r * BLOCK_COLS : nblk * old * BLOCK_COLS].zero_()
+                if old > r:  # the previous occupant's extra rank rows must not survive
+                    self.A[layer][m][s, r:old].zero_()
                 self._set_rank(s, layer, m, r)
 
     def _ensure_slot(self, uid: str, protected: tuple[str, ...] | list[str]) -> int:

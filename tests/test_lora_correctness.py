@@ -74,9 +74,12 @@ def test_adapters_change_the_output(ref):
         assert any(ref["greedy"][f"{t}|{p}"] != ref["greedy"][f"base|{p}"] for p in ref["input_ids"]), t
 
 
-def test_prefill_logits_of_mixed_batch_match_peft(ref):
-    """One ForwardBatch: every prompt x (base + 6 adapters), rows interleaved so no adapter is contiguous."""
-    worker = six_adapter_worker(dtype="float32", max_total_tokens=1024, max_running_requests=32)
+@pytest.mark.parametrize("backend", ["cpu-sgmv", "torch"])
+def test_prefill_logits_of_mixed_batch_match_peft(ref, backend):
+    """One ForwardBatch: every prompt x (base + 6 adapters), rows interleaved so no adapter is contiguous; through
+    the C kernel and through the torch path."""
+    worker = six_adapter_worker(dtype="float32", max_total_tokens=1024, max_running_requests=32, lora_backend=backend)
+    assert (worker.lora.sgmv is not None) == (backend == "cpu-sgmv")
     uids = {t: f"uid-{t}" for t in ADAPTER_NAMES}
     rows, plan, next_slot = [], [], 0
     sp = WorkerSampling(0.0, 1.0, -1, None)

@@ -143,8 +143,9 @@ def _slot_clean_beyond(pool, s, layer, m, r):
     return float(pool.A[layer][m][s, r:].abs().sum()) == 0 and float(pool.b_matrix(layer, m, s)[r:].abs().sum()) == 0
 
 
-def test_takeover_by_fewer_modules_zeroes_the_rest(adapters):
-    pool = tiny_pool(slots=1, max_rank=8)
+@pytest.mark.parametrize("backend", ["torch", "cpu-sgmv"])
+def test_takeover_by_fewer_modules_zeroes_the_rest(adapters, backend):
+    pool = tiny_pool(slots=1, max_rank=8, backend=backend)
     load(pool, adapters, "full8", "qv2")
     pool.assign(["full8"])
     for layer in range(TINY.num_layers):

@@ -20,6 +20,9 @@
 #define VW 16  /* fp32 lanes per vector (GCC/Clang vector extensions: AVX-512 = one register, AVX2 = two) */
 #define JB 16  /* shrink rows per work item */
 #define MAXIN 4096
+#ifndef SPF
+#define SPF 2304 /* bytes of A prefetched ahead */
+#endif
 
 typedef float v16 __attribute__((vector_size(64)));
 typedef uint32_t u32x16 __attribute__((vector_size(64)));
@@ -109,9 +112,65 @@ DEFINE_DOT(2)
 DEFINE_DOT(4)
 DEFINE_DOT(8)
 
-/* u[p, j0..j1) for positions p0..p0+nt of one slot matrix a (rows of in_dim) */
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+/* CPUs with AVX512-BF16 (Cooper Lake, Sapphire Rapids, Zen 4+): bf16 x and bf16 A multiply in one instruction,
+ * 32 products summed in fp32 pairs (vdpbf16ps), with no conversion of either side. xh holds NT bf16 rows. */
+#include <immintrin.h>
+#define HAVE_BF16_DOT 1
+#define DEFINE_DOTBF(NT)                                                                                        \
+    static inline void dotbf##NT(const uint16_t* xh, const uint16_t* w, int64_t in_dim, float* u,               \
+                                 int64_t u_stride, int nt) {                                                    \
+        __m512 acc[NT];                                                                                         \
+        for (int t = 0; t < NT; t++) acc[t] = _mm512_setzero_ps();                                              \
+        int64_t i = 0;                                                                                          \
+        for (; i + 32 <= in_dim; i += 32) {                                                                     \
+            __builtin_prefetch((const char*)(w + i) + SPF);                                                     \
+            __m512bh wv = (__m512bh)_mm512_loadu_si512(w + i);                                                  \
+            for (int t = 0; t < NT; t++)                                                                        \
+                acc[t] = _mm512_dpbf16_ps(acc[t], (__m512bh)_mm512_loadu_si512(xh + t * in_dim + i), wv);      \
+        }                                                                                                       \
+        if (i < in_dim) {                                                                                       \
+            __mmask32 m = (__mmask32)((1ull << (in_dim - i)) - 1);                                              \
+            __m512bh wv = (__m512bh)_mm512_maskz_loadu_epi16(m, w + i);                                         \
+            for (int t = 0; t < NT; t++)                                                                        \
+                acc[t] = _mm512_dpbf16_ps(acc[t], (__m512bh)_mm512_maskz_loadu_epi16(m, xh + t * in_dim + i), wv); \
+        }                                                                                                       \
+        for (int t = 0; t < nt; t++) u[t * u_stride] = _mm512_reduce_add_ps(acc[t]);                            \
+    }
+DEFINE_DOTBF(1)
+DEFINE_DOTBF(2)
+DEFINE_DOTBF(4)
+DEFINE_DOTBF(8)
+#else
+#define HAVE_BF16_DOT 0
+#endif
+
+/* x rows tok[0..nt) as raw bf16 into xh [TB][in_dim], rows nt.. zero */
+static void load_xh(const void* x, int64_t in_dim, const int64_t* tok, int nt, uint16_t* xh) {
+    memset(xh + (int64_t)nt * in_dim, 0, sizeof(uint16_t) * (TB - nt) * in_dim);
+    for (int t = 0; t < nt; t++) memcpy(xh + (int64_t)t * in_dim, (const uint16_t*)x + tok[t] * in_dim, 2 * in_dim);
+}
+
+/* u[p, j0..j1) for positions p0..p0+nt of one slot matrix a (rows of in_dim); xf holds the block's x rows in fp32,
+ * or in bf16 when bf16dot (x and A both bf16 on a CPU with HAVE_BF16_DOT) */
 static void shrink_block(const float* xf, int nt, const void* a, int w_bf16, int64_t in_dim, int64_t j0, int64_t j1,
-                         float* u, int64_t u_stride, int64_t p0) {
+                         float* u, int64_t u_stride, int64_t p0, int bf16dot) {
+#if HAVE_BF16_DOT
+    if (bf16dot) {
+        const uint16_t* xh = (const uint16_t*)xf;
+        for (int64_t j = j0; j < j1; j++) {
+            const uint16_t* w = (const uint16_t*)a + j * in_dim;
+            float* uj = u + p0 * u_stride + j;
+            if (nt > 4) dotbf8(xh, w, in_dim, uj, u_stride, nt);
+            else if (nt > 2) dotbf4(xh, w, in_dim, uj, u_stride, nt);
+            else if (nt > 1) dotbf2(xh, w, in_dim, uj, u_stride, nt);
+            else dotbf1(xh, w, in_dim, uj, u_stride, nt);
+        }
+        return;
+    }
+#else
+    (void)bf16dot;
+#endif
     float wrow[MAXIN];
     for (int64_t j = j0; j < j1; j++) {
         const float* w;
@@ -119,7 +178,7 @@ static void shrink_block(const float* xf, int nt, const void* a, int w_bf16, int
             const uint16_t* s = (const uint16_t*)a + j * in_dim;
             int64_t i = 0;
             for (; i + VW <= in_dim; i += VW) {
-                __builtin_prefetch(s + 2 * in_dim + i);
+                __builtin_prefetch((const char*)(s + i) + SPF);
                 v16 f = ldh(s + i);
                 memcpy(wrow + i, &f, sizeof f);
             }
@@ -138,7 +197,9 @@ static void shrink_block(const float* xf, int nt, const void* a, int w_bf16, int
 }
 
 #define BC (2 * VW) /* columns per block of B */
-#define PF 16       /* rows of a B block prefetched ahead (may run past the block: prefetches never fault) */
+#ifndef PF
+#define PF 16 /* rows of a B block prefetched ahead (may run past the block: prefetches never fault) */
+#endif
 
 /* out[off .. off+ow) += (lo|hi)[..ow) in out's dtype */
 static inline void store_add(void* out, int64_t off, int out_bf16, v16 lo, v16 hi, int64_t ow) {
@@ -214,16 +275,16 @@ static void expand_block(const float* u, int64_t u_stride, int64_t nmod, int64_t
 
 /* Returns 0, or -1 when in_dim is over the kernel's row buffer (the caller then uses its torch path).
  * tok: the LoRA tokens' rows of x/out, grouped by slot; seg: nseg x (slot, p0, p1) into tok. ranks: [slots, nmod] int32 of this layer (0 = slot has no weights there).
- * A: [slots, a_rows, in_dim] (a_rows = max_rank * nmod). B[k]: [slots, ceil(out_k[k] / 32), max_rank, 32] (column
- * blocks, zero past out_k[k]). u: [T, u_stride] fp32
+ * A: [slots, a_rows, in_dim] (a_rows = max_rank * nmod). B[k]: slot s at B[k] + s * b_slot_stride[k], packed at
+ * its rank r = ranks[s][k] as [ceil(out_k[k] / 32), r, 32] (column blocks, zero past out_k[k]). u: [T, u_stride] fp32
  * scratch [len(tok) + TB - 1, u_stride >= a_rows] whose rows past len(tok) are zero. */
 int loom_lora_sgmv(int64_t in_dim, const void* x, int x_bf16, void* out, int64_t out_stride, int out_bf16,
                    const int64_t* tok,
                    int64_t nseg, const int64_t* seg, const void* A, int64_t a_slot_stride, int w_bf16, int64_t nmod,
-                   const int32_t* ranks, const void* const* B, const int64_t* b_slot_stride, int64_t max_rank,
-                   const int64_t* out_k, const int64_t* col_k, float* u, int64_t u_stride) {
+                   const int32_t* ranks, const void* const* B, const int64_t* b_slot_stride, const int64_t* out_k, const int64_t* col_k, float* u, int64_t u_stride) {
     if (in_dim > MAXIN) return -1;
     const int64_t esz = w_bf16 ? 2 : 4;
+    const int bf16dot = HAVE_BF16_DOT && x_bf16 && w_bf16;
 #ifdef _OPENMP
 #pragma omp parallel
 #endif
@@ -246,9 +307,13 @@ int loom_lora_sgmv(int64_t in_dim, const void* x, int x_bf16, void* out, int64_t
                 int64_t tb = it / nj, jb = it % nj;
                 int64_t pa = p0 + tb * TB;
                 int nt = (int)((p1 - pa) < TB ? (p1 - pa) : TB);
-                if (pa != xf_p0 || nt != xf_nt) load_x(x, x_bf16, in_dim, tok + pa, nt, xf), xf_p0 = pa, xf_nt = nt;
+                if (pa != xf_p0 || nt != xf_nt) {
+                    if (bf16dot) load_xh(x, in_dim, tok + pa, nt, (uint16_t*)xf);
+                    else load_x(x, x_bf16, in_dim, tok + pa, nt, xf);
+                    xf_p0 = pa, xf_nt = nt;
+                }
                 int64_t j1 = (jb + 1) * JB < rows ? (jb + 1) * JB : rows;
-                shrink_block(xf, nt, a, w_bf16, in_dim, jb * JB, j1, u, u_stride, pa);
+                shrink_block(xf, nt, a, w_bf16, in_dim, jb * JB, j1, u, u_stride, pa, bf16dot);
             }
         }
 #ifdef _OPENMP
@@ -270,7 +335,7 @@ int loom_lora_sgmv(int64_t in_dim, const void* x, int x_bf16, void* out, int64_t
                     int64_t tb = it / nc, c = it % nc;
                     int64_t pa = p0 + tb * TB;
                     int nt = (int)((p1 - pa) < TB ? (p1 - pa) : TB);
-                    expand_block(u, u_stride, nmod, k, r, b + c * max_rank * BC * esz, w_bf16, out_k[k], c * BC, nt, pa, tok, out, out_stride,
+                    expand_block(u, u_stride, nmod, k, r, b + c * r * BC * esz, w_bf16, out_k[k], c * BC, nt, pa, tok, out, out_stride,
                                  out_bf16, col_k[k]);
                 }
             }

@@ -1,0 +1,127 @@
+"""The cpu-sgmv C kernel (gpu_worker/csrc/lora_sgmv.c) against float64 maths, and how the backend is chosen."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from gpu_worker.lora_kernel import BLOCK_COLS, SgmvLayerArgs, choose_backend, load_sgmv, sgmv_add
+
+
+@pytest.fixture(scope="module")
+def fn(tmp_path_factory):
+    f = load_sgmv(tmp_path_factory.mktemp("kernels"))
+    if f is None:
+        pytest.skip("no C compiler on this machine: the torch path serves LoRA (tested in test_lora_pool.py)")
+    return f
+
+
+def _case(seed: int, in_dim: int, outs: list[int], n_slots: int, max_rank: int, wdt: torch.dtype):
+    """Slot buffers in the pool's layouts (A rank-major per sub-module, B packed at each slot's rank) plus the
+    plain per-slot matrices for the reference."""
+    g = torch.Generator().manual_seed(seed)
+    rnd = random.Random(seed)
+    nmod = len(outs)
+    a = torch.zeros(n_slots, max_rank * nmod, in_dim, dtype=wdt)
+    bs = [torch.zeros(n_slots, -(-o // BLOCK_COLS) * max_rank * BLOCK_COLS, dtype=wdt) for o in outs]
+    ranks = torch.zeros(n_slots, nmod, dtype=torch.int32)
+    plain = {}
+    for s in range(n_slots):
+        for k, o in enumerate(outs):
+            r = rnd.choice([0, 1, 3, 8, 16, max_rank])
+            ranks[s, k] = r
+            am = (torch.randn(r, in_dim, generator=g) * 0.1).to(wdt)
+            bm = (torch.randn(r, o, generator=g) * 0.1).to(wdt)
+            a.view(n_slots, max_rank, nmod, in_dim)[s, :r, k] = am
+            nb = -(-o // BLOCK_COLS)
+            padded = torch.nn.functional.pad(bm, (0, nb * BLOCK_COLS - o)).view(r, nb, BLOCK_COLS).transpose(0, 1)
+            bs[k][s, : nb * r * BLOCK_COLS].view(nb, r, BLOCK_COLS).copy_(padded)
+            plain[s, k] = (am.double(), bm.double())
+    cols = [sum(outs[:k]) for k in range(nmod)]
+    return SgmvLayerArgs(a, bs, outs, ranks, cols), plain, cols
+
+
+@pytest.mark.parametrize(
+    "in_dim,outs,xdt,wdt",
+    [
+        (64, [64, 32, 32], torch.float32, torch.float32),
+        (96, [96], torch.bfloat16, torch.bfloat16),
+        (40, [70, 33], torch.bfloat16, torch.bfloat16),  # widths off the 16/32 grid: tails of both phases
+        (72, [50, 18, 18], torch.float32, torch.float32),
+        (48, [64, 64], torch.bfloat16, torch.float32),  # a bf16 model over fp32 slots
+    ],
+)
+def test_kernel_matches_float64_maths(fn, in_dim, outs, xdt, wdt):
+    """Interleaved tokens of several slots (1 to 19 tokens each: every register-block size and partial blocks),
+    mixed ranks including rank 0 per sub-module, base tokens untouched."""
+    n_slots, max_rank = 4, 16
+    la, plain, cols = _case(in_dim + len(outs), in_dim, outs, n_slots, max_rank, wdt)
+    rnd = random.Random(in_dim)
+    per_slot = {s: rnd.choice([1, 2, 3, 5, 8, 9, 19]) for s in range(n_slots)}
+    owner = [s for s, n in per_slot.items() for _ in range(n)] + [-1] * 5  # -1: a base-model token
+    rnd.shuffle(owner)
+    T = len(owner)
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(T, in_dim, generator=g).to(xdt)
+    out0 = torch.randn(T, sum(outs), generator=g).to(xdt)
+    tok, seg = [], []
+    for s in range(n_slots):
+        rows = [t for t in range(T) if owner[t] == s]
+        seg.append((s, len(tok), len(tok) + len(rows)))
+        tok.extend(rows)
+    u = torch.zeros(len(tok) + 8, max_rank * len(outs))
+    out = out0.clone()
+    sgmv_add(fn, la, x, out, torch.tensor(tok), torch.tensor(seg), u)
+    want = out0.double()
+    for t in range(T):
+        s = owner[t]
+        if s < 0:
+            continue
+        for k, c in enumerate(cols):
+            am, bm = plain[s, k]
+            want[t, c : c + outs[k]] += (x[t].double() @ am.T) @ bm
+    base = [t for t in range(T) if owner[t] < 0]
+    assert torch.equal(out[base], out0[base])
+    tol = 1e-5 if xdt == torch.float32 else 2e-2
+    torch.testing.assert_close(out.double(), want, atol=tol, rtol=tol)
+
+
+def test_kernel_rejects_what_it_cannot_take(fn):
+    la, _, _ = _case(0, 64, [64], 2, 8, torch.float32)
+    seg, tok, u = torch.tensor([[0, 0, 1]]), torch.tensor([0]), torch.zeros(9, 8)
+    with pytest.raises(ValueError, match="x"):
+        sgmv_add(fn, la, torch.zeros(1, 32), torch.zeros(1, 64), tok, seg, u)  # wrong width
+    with pytest.raises(ValueError, match="x"):
+        sgmv_add(fn, la, torch.zeros(1, 64, dtype=torch.float16), torch.zeros(1, 64), tok, seg, u)
+    with pytest.raises(ValueError, match="out"):
+        sgmv_add(fn, la, torch.zeros(2, 64), torch.zeros(64, 2).T, tok, seg, u)  # columns not contiguous
+
+
+def test_no_compiler_means_torch_path(tmp_path, monkeypatch):
+    """Without a usable C compiler, auto falls back to torch and an explicit cpu-sgmv says what is missing."""
+    monkeypatch.setenv("CC", "/bin/false")
+    load_sgmv.cache_clear()
+    try:
+        fn, how = choose_backend("auto", torch.float32, torch.device("cpu"), tmp_path)
+        assert fn is None and "torch" in how
+        with pytest.raises(RuntimeError, match="C compiler"):
+            choose_backend("cpu-sgmv", torch.float32, torch.device("cpu"), tmp_path)
+    finally:
+        load_sgmv.cache_clear()
+
+
+def test_backend_choice(fn, tmp_path):
+    """auto measures once and keeps the answer; torch is always honoured; the kernel's limits hold."""
+    cpu = torch.device("cpu")
+    assert choose_backend("torch", torch.float32, cpu, tmp_path) == (None, "--lora-backend torch")
+    first = choose_backend("auto", torch.bfloat16, cpu, tmp_path)
+    assert "measured earlier" not in first[1]
+    again = choose_backend("auto", torch.bfloat16, cpu, tmp_path)
+    assert "measured earlier" in again[1] and (again[0] is None) == (first[0] is None)
+    assert choose_backend("auto", torch.float32, cpu, tmp_path, widest_in=8192)[0] is None
+    with pytest.raises(RuntimeError, match="inputs <= 4096"):
+        choose_backend("cpu-sgmv", torch.float32, cpu, tmp_path, widest_in=8192)
+    with pytest.raises(RuntimeError, match="fp32/bf16"):
+        choose_backend("cpu-sgmv", torch.float16, cpu, tmp_path)
