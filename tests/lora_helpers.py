@@ -23,6 +23,7 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import save_file
 
@@ -148,7 +149,7 @@ def tiny_pool(
     backend: str = "auto",
 ):
     """An in-process :class:`LoraPool` over the tiny config (CPU, ``dtype``, fp32 by default; ``backend`` is
-    ``--lora-backend``)."""
+    ``--lora-backend``; the test is skipped for cpu-sgmv on a machine without a C compiler)."""
     from gpu_worker.lora_pool import LoraPool
     from gpu_worker.tp_plan import plan_for_model
 
@@ -161,7 +162,18 @@ def tiny_pool(
         lora_backend=backend,
     )
     plan = plan_for_model(cfg, tp_size, rank)
+    if backend == "cpu-sgmv":
+        skip_without_kernel()
     return LoraPool(args, cfg, plan, dtype, torch.device("cpu"))
+
+
+def skip_without_kernel() -> None:
+    """Skip the calling test where the cpu-sgmv kernel cannot be built (no C compiler)."""
+    from gpu_worker.lora_kernel import load_sgmv
+    from ipc.model_source import cache_root
+
+    if load_sgmv(cache_root() / "kernels") is None:
+        pytest.skip("no C compiler: the cpu-sgmv kernel cannot be built here")
 
 
 # ----------------------------------------------------------------------------- cross-process pool driver
