@@ -106,9 +106,12 @@ class LoraPool:
                 if not mods:
                     continue
                 fin = self._local_dims(mods[0])[0]
-                af = torch.zeros(self.n_slots, self.max_rank * len(mods), fin, dtype=self.slot_dtype, device=device)
+                rows = self.max_rank * len(mods)
+                if self.sgmv is not None:  # whole 16-row tiles, so the kernel's AMX shrink never reads past a slot
+                    rows = -(-rows // 16) * 16
+                af = torch.zeros(self.n_slots, rows, fin, dtype=self.slot_dtype, device=device)
                 af_l[f] = af
-                per_rank = af.view(self.n_slots, self.max_rank, len(mods), fin)
+                per_rank = af[:, : self.max_rank * len(mods)].view(self.n_slots, self.max_rank, len(mods), fin)
                 for k, m in enumerate(mods):
                     a_l[m] = per_rank[:, :, k]  # [slots, max_rank, in] (strided view)
                     fout = self._local_dims(m)[1]

@@ -145,6 +145,104 @@ DEFINE_DOTBF(8)
 #define HAVE_BF16_DOT 0
 #endif
 
+#if HAVE_BF16_DOT && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+/* Intel AMX (Sapphire Rapids and later): one tdpbf16ps multiplies a 16 x 32 bf16 tile by a 32 x 16 one into 16 x 16
+ * fp32, 16x the MACs of a vector instruction. The shrink maps onto it without repacking A: the A operand is 16 rows
+ * of the slot's A (32 inputs each, read in place with the row stride), the B operand a block of 16 tokens' x in
+ * the "VNNI" pair layout, built once per token block. Linux hands out AMX state only on request (arch_prctl). */
+#include <sys/syscall.h>
+#include <unistd.h>
+#define HAVE_AMX 1
+#define TBA 16 /* tokens per AMX block */
+typedef struct {
+    uint8_t palette_id, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} __attribute__((packed)) tilecfg_t;
+
+static int amx_state; /* 0: not asked yet, 1: granted, -1: refused */
+
+static int amx_enable(void) {
+    if (amx_state == 0) amx_state = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) ? -1 : 1;
+    return amx_state == 1;
+}
+
+static void amx_config(void) { /* tile 0: C 16 x 16 fp32, tile 1: 16 rows of A x 32 bf16, tile 2: 16 pairs x 16 tokens */
+    tilecfg_t c;
+    memset(&c, 0, sizeof c);
+    c.palette_id = 1;
+    for (int i = 0; i < 3; i++) c.colsb[i] = 64, c.rows[i] = 16;
+    _tile_loadconfig(&c);
+}
+
+/* x rows tok[0..nt) (bf16) as xv[in_dim / 32][16 pairs][TBA tokens] of 32-bit (k, k+1) pairs; tokens nt.. zero.
+ * Each 16 x 16 block of pairs is transposed in registers (4 rounds of unpack/shuffle). */
+static void load_xv(const void* x, int64_t in_dim, const int64_t* tok, int nt, uint32_t* xv) {
+    int64_t q = in_dim / 2;
+    for (int64_t kc = 0; kc < in_dim / 32; kc++) {
+        __m512i r[16], t1[16];
+        for (int t = 0; t < 16; t++)
+            r[t] = t < nt ? _mm512_loadu_si512((const uint32_t*)x + tok[t] * q + kc * 16) : _mm512_setzero_si512();
+        for (int i = 0; i < 16; i += 2) { /* pairs of rows: interleave 32-bit lanes */
+            t1[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+            t1[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+        }
+        for (int i = 0; i < 16; i += 4) { /* then 64-bit lanes of rows i..i+3 */
+            r[i] = _mm512_unpacklo_epi64(t1[i], t1[i + 2]);
+            r[i + 1] = _mm512_unpackhi_epi64(t1[i], t1[i + 2]);
+            r[i + 2] = _mm512_unpacklo_epi64(t1[i + 1], t1[i + 3]);
+            r[i + 3] = _mm512_unpackhi_epi64(t1[i + 1], t1[i + 3]);
+        }
+        /* r[4g + c] now holds, in 128-bit lane L, column 4L + c of rows 4g..4g+3; gather the lanes */
+        for (int c = 0; c < 4; c++) {
+            __m512i a0 = _mm512_shuffle_i32x4(r[c], r[4 + c], 0x88), a1 = _mm512_shuffle_i32x4(r[c], r[4 + c], 0xdd);
+            __m512i b0 = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0x88), b1 = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0xdd);
+            /* a0: lanes {L0 of r[c], L2 of r[c], L0 of r[4+c], L2 of r[4+c]} ... combine to columns c, 4+c, 8+c, 12+c */
+            __m512i c0 = _mm512_shuffle_i32x4(a0, b0, 0x88), c2 = _mm512_shuffle_i32x4(a0, b0, 0xdd);
+            __m512i c1 = _mm512_shuffle_i32x4(a1, b1, 0x88), c3 = _mm512_shuffle_i32x4(a1, b1, 0xdd);
+            uint32_t* dst = xv + kc * 256;
+            _mm512_storeu_si512(dst + (0 + c) * TBA, c0);
+            _mm512_storeu_si512(dst + (4 + c) * TBA, c1);
+            _mm512_storeu_si512(dst + (8 + c) * TBA, c2);
+            _mm512_storeu_si512(dst + (12 + c) * TBA, c3);
+        }
+    }
+}
+
+static inline int64_t seg_rmax(int64_t s, const int32_t* ranks, int64_t nmod) {
+    int64_t rmax = 0;
+    for (int64_t k = 0; k < nmod; k++)
+        if (ranks[s * nmod + k] > rmax) rmax = ranks[s * nmod + k];
+    return rmax;
+}
+
+/* AMX shrink work items of segment g: token blocks x 16-row tiles */
+static inline int64_t seg_items(const int64_t* seg, int64_t g, const int32_t* ranks, int64_t nmod) {
+    int64_t rows = seg_rmax(seg[3 * g], ranks, nmod) * nmod;
+    return (seg[3 * g + 2] - seg[3 * g + 1] + TBA - 1) / TBA * ((rows + 15) / 16);
+}
+
+/* u[p0 + t, j] for rows j0..j1 of one slot's A (16-row tiles; rows up to the next multiple of 16 must exist) */
+static void shrink_amx(const uint32_t* xv, int nt, const uint16_t* a, int64_t in_dim, int64_t j0, int64_t j1, float* u,
+                       int64_t u_stride, int64_t p0) {
+    float cbuf[16 * TBA];
+    for (int64_t jb = j0; jb < j1; jb += 16) {
+        _tile_zero(0);
+        for (int64_t kc = 0; kc < in_dim / 32; kc++) {
+            _tile_loadd(1, a + jb * in_dim + kc * 32, in_dim * 2);
+            _tile_loadd(2, xv + kc * 256, 64);
+            _tile_dpbf16ps(0, 1, 2);
+        }
+        _tile_stored(0, cbuf, 64);
+        int64_t jn = j1 - jb < 16 ? j1 - jb : 16;
+        for (int64_t jj = 0; jj < jn; jj++)
+            for (int t = 0; t < nt; t++) u[(p0 + t) * u_stride + jb + jj] = cbuf[jj * TBA + t];
+    }
+}
+#else
+#define HAVE_AMX 0
+#endif
+
 /* x rows tok[0..nt) as raw bf16 into xh [TB][in_dim], rows nt.. zero */
 static void load_xh(const void* x, int64_t in_dim, const int64_t* tok, int nt, uint16_t* xh) {
     memset(xh + (int64_t)nt * in_dim, 0, sizeof(uint16_t) * (TB - nt) * in_dim);
@@ -285,35 +383,65 @@ int loom_lora_sgmv(int64_t in_dim, const void* x, int x_bf16, void* out, int64_t
     if (in_dim > MAXIN) return -1;
     const int64_t esz = w_bf16 ? 2 : 4;
     const int bf16dot = HAVE_BF16_DOT && x_bf16 && w_bf16;
+#if HAVE_AMX
+    /* AMX for the shrink when A's buffer has whole 16-row tiles (the pool pads it) and inputs are 32-aligned */
+    const int amx = bf16dot && in_dim % 32 == 0 && a_slot_stride % (16 * in_dim) == 0 && amx_enable();
+#endif
 #ifdef _OPENMP
 #pragma omp parallel
 #endif
     {
         float xf[TB * MAXIN];
         int64_t xf_p0 = -1, xf_nt = 0; /* the token block xf holds (static schedules hand a thread runs of one block) */
-        /* shrink: work items = (segment, token block, row block) */
-        for (int64_t g = 0; g < nseg; g++) {
-            int64_t s = seg[3 * g], p0 = seg[3 * g + 1], p1 = seg[3 * g + 2];
-            int64_t rmax = 0;
-            for (int64_t k = 0; k < nmod; k++)
-                if (ranks[s * nmod + k] > rmax) rmax = ranks[s * nmod + k];
-            if (!rmax) continue;
-            int64_t rows = rmax * nmod, nj = (rows + JB - 1) / JB, ntb = (p1 - p0 + TB - 1) / TB;
-            const char* a = (const char*)A + s * a_slot_stride * esz;
+#if HAVE_AMX
+        if (amx) {
+            amx_config();
+            /* shrink: work items = (segment, block of TBA tokens, 16-row tile), numbered across all segments so the
+             * threads split the whole step evenly (a segment alone may be one tile); xf holds the block's xv */
+            int64_t total = 0;
+            for (int64_t g = 0; g < nseg; g++) total += seg_items(seg, g, ranks, nmod);
 #ifdef _OPENMP
 #pragma omp for schedule(static) nowait
 #endif
-            for (int64_t it = 0; it < ntb * nj; it++) {
-                int64_t tb = it / nj, jb = it % nj;
-                int64_t pa = p0 + tb * TB;
-                int nt = (int)((p1 - pa) < TB ? (p1 - pa) : TB);
-                if (pa != xf_p0 || nt != xf_nt) {
-                    if (bf16dot) load_xh(x, in_dim, tok + pa, nt, (uint16_t*)xf);
-                    else load_x(x, x_bf16, in_dim, tok + pa, nt, xf);
-                    xf_p0 = pa, xf_nt = nt;
+            for (int64_t it = 0; it < total; it++) {
+                int64_t g = 0, rest = it, n;
+                while (rest >= (n = seg_items(seg, g, ranks, nmod))) rest -= n, g++;
+                int64_t s = seg[3 * g], p0 = seg[3 * g + 1], p1 = seg[3 * g + 2];
+                int64_t rows = seg_rmax(s, ranks, nmod) * nmod, nj = (rows + 15) / 16;
+                int64_t pa = p0 + rest / nj * TBA, jb = rest % nj * 16;
+                int nt = (int)((p1 - pa) < TBA ? (p1 - pa) : TBA);
+                if (pa != xf_p0 || nt != xf_nt) load_xv(x, in_dim, tok + pa, nt, (uint32_t*)xf), xf_p0 = pa, xf_nt = nt;
+                const uint16_t* a = (const uint16_t*)A + s * a_slot_stride;
+                shrink_amx((const uint32_t*)xf, nt, a, in_dim, jb, jb + 16 < rows ? jb + 16 : rows, u, u_stride, pa);
+            }
+            _tile_release();
+        } else
+#endif
+        {
+        /* shrink: work items = (segment, token block, row block) */
+            for (int64_t g = 0; g < nseg; g++) {
+                int64_t s = seg[3 * g], p0 = seg[3 * g + 1], p1 = seg[3 * g + 2];
+                int64_t rmax = 0;
+                for (int64_t k = 0; k < nmod; k++)
+                    if (ranks[s * nmod + k] > rmax) rmax = ranks[s * nmod + k];
+                if (!rmax) continue;
+                int64_t rows = rmax * nmod, nj = (rows + JB - 1) / JB, ntb = (p1 - p0 + TB - 1) / TB;
+                const char* a = (const char*)A + s * a_slot_stride * esz;
+#ifdef _OPENMP
+#pragma omp for schedule(static) nowait
+#endif
+                for (int64_t it = 0; it < ntb * nj; it++) {
+                    int64_t tb = it / nj, jb = it % nj;
+                    int64_t pa = p0 + tb * TB;
+                    int nt = (int)((p1 - pa) < TB ? (p1 - pa) : TB);
+                    if (pa != xf_p0 || nt != xf_nt) {
+                        if (bf16dot) load_xh(x, in_dim, tok + pa, nt, (uint16_t*)xf);
+                        else load_x(x, x_bf16, in_dim, tok + pa, nt, xf);
+                        xf_p0 = pa, xf_nt = nt;
+                    }
+                    int64_t j1 = (jb + 1) * JB < rows ? (jb + 1) * JB : rows;
+                    shrink_block(xf, nt, a, w_bf16, in_dim, jb * JB, j1, u, u_stride, pa, bf16dot);
                 }
-                int64_t j1 = (jb + 1) * JB < rows ? (jb + 1) * JB : rows;
-                shrink_block(xf, nt, a, w_bf16, in_dim, jb * JB, j1, u, u_stride, pa, bf16dot);
             }
         }
 #ifdef _OPENMP
