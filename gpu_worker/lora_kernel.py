@@ -22,12 +22,56 @@ from functools import cache
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "lora_sgmv.c"
 MAX_IN_DIM = 4096  # the kernel's per-thread row buffers; wider inputs use the torch path
 BLOCK_COLS = 32  # output columns per block of an expand buffer (one 64-byte line of bf16 per rank)
+TILE_PAD = 16 * 2 * BLOCK_COLS  # elements after a slot's expand weights that AMX's 16-row tiles may read (zeros)
+
+
+def packed_elems(fout: int, r: int, bf16: bool) -> int:
+    """Elements :func:`pack_b` writes for ``[out, r]`` weights: column blocks of all r ranks (bf16: rank pairs)."""
+    return -(-fout // BLOCK_COLS) * ((r + 1) // 2 * 2 if bf16 else r) * BLOCK_COLS
+
+
+def b_capacity(fout: int, max_rank: int) -> int:
+    """Elements of one slot's expand buffer for the kernel: the packing at the largest rank plus :data:`TILE_PAD`."""
+    return packed_elems(fout, max_rank, True) + TILE_PAD
+
+
+def pack_b(b: torch.Tensor, dst: torch.Tensor) -> int:
+    """Write expand weights ``b`` ``[out, r]`` into a slot buffer ``dst`` (1-D) in the kernel's layout; returns
+    the elements used.
+
+    The layout is column blocks of :data:`BLOCK_COLS`, each holding all r ranks (zero past ``out``): fp32
+    j-major ``[nblocks, r, BLOCK_COLS]``; bf16 in rank pairs ``[nblocks, ceil(r / 2), BLOCK_COLS, 2]`` (the
+    "VNNI" layout of AMX and vdpbf16ps; an odd r gets a zero rank).
+    """
+    fout, r = b.shape
+    nb = -(-fout // BLOCK_COLS)
+    bt = F.pad(b.T, (0, nb * BLOCK_COLS - fout))  # [r, nb * BLOCK_COLS]
+    n = packed_elems(fout, r, dst.dtype == torch.bfloat16)
+    if dst.dtype == torch.bfloat16:
+        rp = (r + 1) // 2
+        bt = F.pad(bt, (0, 0, 0, 2 * rp - r)).view(rp, 2, nb, BLOCK_COLS).permute(2, 0, 3, 1)
+        dst[:n].view(nb, rp, BLOCK_COLS, 2).copy_(bt)
+    else:
+        dst[:n].view(nb, r, BLOCK_COLS).copy_(bt.view(r, nb, BLOCK_COLS).transpose(0, 1))
+    return n
+
+
+def unpack_b(src: torch.Tensor, fout: int, r: int) -> torch.Tensor:
+    """The ``[r, out]`` (i.e. ``B^T``) matrix that :func:`pack_b` wrote into ``src``."""
+    nb = -(-fout // BLOCK_COLS)
+    if src.dtype == torch.bfloat16:
+        rp = (r + 1) // 2
+        m = src[: nb * rp * 2 * BLOCK_COLS].view(nb, rp, BLOCK_COLS, 2).permute(1, 3, 0, 2)
+        return m.reshape(2 * rp, nb * BLOCK_COLS)[:r, :fout]
+    return src[: nb * r * BLOCK_COLS].view(nb, r, BLOCK_COLS).transpose(0, 1).reshape(r, nb * BLOCK_COLS)[:, :fout]
+
 
 _I64, _I32, _P = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
 _ARGTYPES = [
@@ -118,9 +162,9 @@ def load_sgmv(cache_dir: Path) -> ctypes._CFuncPtr | None:  # type: ignore[name-
 class SgmvLayerArgs:
     """The constant arguments of one (layer, fused projection) call: slot buffers, ranks, column offsets.
 
-    ``A`` is the fused shrink buffer ``[slots, max_rank * nmod, in]``, ``Bs`` the sub-modules' expand buffers
-    ``[slots, >= ceil(out_k / BLOCK_COLS) * max_rank * BLOCK_COLS]``, each slot packed at its rank r as column
-    blocks ``[ceil(out_k / BLOCK_COLS), r, BLOCK_COLS]`` (zero past ``out_k``), ``outs``
+    ``A`` is the fused shrink buffer ``[slots, >= max_rank * nmod, in]`` (AMX needs the rows in whole 16-row
+    tiles), ``Bs`` the sub-modules' expand buffers ``[slots, b_capacity(out_k, max_rank)]``, each slot written
+    by :func:`pack_b` at its rank, ``outs``
     their real widths, ``ranks`` an int32 ``[slots, nmod]`` view kept current by the pool, ``cols`` each
     sub-module's first column in the fused output. All tensors must outlive this object (the pool's do).
     """
@@ -201,9 +245,10 @@ def _kernel_beats_torch(fn: ctypes._CFuncPtr, dtype: torch.dtype) -> tuple[bool,
     a = (torch.randn(n, 3 * r, d, generator=g) * 0.05).to(dtype)
     bs = [(torch.randn(n, r, o, generator=g) * 0.05).to(dtype) for o in outs]
     ranks = torch.full((n, 3), r, dtype=torch.int32)
-    blocked = [
-        b.view(n, r, o // BLOCK_COLS, BLOCK_COLS).transpose(1, 2).contiguous() for b, o in zip(bs, outs, strict=True)
-    ]
+    blocked = [torch.zeros(n, b_capacity(o, r), dtype=dtype) for o in outs]
+    for b, pb in zip(bs, blocked, strict=True):
+        for s in range(n):
+            pack_b(b[s].T, pb[s])
     la = SgmvLayerArgs(a, blocked, list(outs), ranks, [0, outs[0], outs[0] + outs[1]])
     seg = torch.tensor([[s, s * tm, (s + 1) * tm] for s in range(n)], dtype=torch.int64)
     tok = torch.arange(n * tm)

@@ -19,10 +19,17 @@ import logging
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from gpu_worker.lora_cache import CacheKey, HostWeightCache
-from gpu_worker.lora_kernel import BLOCK_COLS, SgmvLayerArgs, choose_backend, sgmv_add
+from gpu_worker.lora_kernel import (
+    SgmvLayerArgs,
+    b_capacity,
+    choose_backend,
+    pack_b,
+    packed_elems,
+    sgmv_add,
+    unpack_b,
+)
 from gpu_worker.lora_weights import module_dims, read_adapter, shard_range
 from gpu_worker.timing import best_time
 from gpu_worker.tp_plan import ShardPlan
@@ -142,12 +149,12 @@ class LoraPool:
                 )
 
     def _b_shape(self, fout: int) -> tuple[int, ...]:
-        """An expand buffer's shape: ``[slots, max_rank, out]``; for the C kernel ``[slots, nblocks * max_rank *
-        BLOCK_COLS]``, each slot packed at its occupant's rank r as ``[nblocks, r, BLOCK_COLS]`` (column blocks
-        of all r ranks, zero past ``out``), so a slot's weights stream from memory in one run whatever r is."""
+        """An expand buffer's shape: ``[slots, max_rank, out]``; for the C kernel one flat run per slot, written
+        by ``lora_kernel.pack_b`` at the occupant's rank (column blocks of all its ranks), so a slot's weights
+        stream from memory in one run whatever its rank is."""
         if self.sgmv is None:
             return (self.n_slots, self.max_rank, fout)
-        return (self.n_slots, -(-fout // BLOCK_COLS) * self.max_rank * BLOCK_COLS)
+        return (self.n_slots, b_capacity(fout, self.max_rank))
 
     def b_matrix(self, layer: int, m: str, s: int) -> torch.Tensor:
         """Slot ``s``'s expand weights of ``m`` as ``[max_rank, out_local]`` (scaling folded in), either layout.
@@ -158,10 +165,12 @@ class LoraPool:
         if self.sgmv is None:
             return b
         fout, r = self.local_dims[m][1], self.slot_rank[s][layer][m]
-        nb = -(-fout // BLOCK_COLS)
-        used = b[: nb * r * BLOCK_COLS].view(nb, r, BLOCK_COLS).transpose(0, 1).reshape(r, nb * BLOCK_COLS)
-        rest = b[nb * r * BLOCK_COLS :].view(self.max_rank - r, nb * BLOCK_COLS)
-        return torch.cat([used, rest])[:, :fout]
+        used = unpack_b(b, fout, r)
+        left = float(b[packed_elems(fout, r, b.dtype == torch.bfloat16) :].abs().sum())
+        rest = torch.zeros(self.max_rank - r, fout, dtype=b.dtype)
+        if left and self.max_rank > r:  # anything past the occupant's weights shows up in the rows past its rank
+            rest[0, 0] = left
+        return torch.cat([used, rest])
 
     def _fused_cols(self, fused: str) -> list[tuple[int, str, int]]:
         """(index in the fused A buffer, sub-module, first output column) of each targeted sub-module."""
@@ -275,13 +284,10 @@ class LoraPool:
                     if old > r:  # the previous occupant's extra rank rows must not survive
                         self.B[layer][m][s, r:old].zero_()
                     self.B[layer][m][s, :r].copy_(b.T, non_blocking=nb)
-                else:  # [out, r] -> [nblocks, r, BLOCK_COLS], zero past out, packed at rank r (see _b_shape)
-                    nblk = -(-fout // BLOCK_COLS)
-                    blocks = F.pad(b.T, (0, nblk * BLOCK_COLS - fout)).view(r, nblk, BLOCK_COLS).transpose(0, 1)
-                    dst = self.B[layer][m][s]
-                    dst[: nblk * r * BLOCK_COLS].view(nblk, r, BLOCK_COLS).copy_(blocks)
+                else:  # packed at rank r (see _b_shape); a previous occupant's longer run is cleared
+                    n = pack_b(b, self.B[layer][m][s])
                     if old > r:
-                        dst[nblk * r * BLOCK_COLS : nblk * old * BLOCK_COLS].zero_()
+                        self.B[layer][m][s, n:].zero_()
                 if old > r:  # the previous occupant's extra rank rows must not survive
                     self.A[layer][m][s, r:old].zero_()
                 self._set_rank(s, layer, m, r)

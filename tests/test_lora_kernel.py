@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from gpu_worker.lora_kernel import BLOCK_COLS, SgmvLayerArgs, choose_backend, load_sgmv, sgmv_add
+from gpu_worker.lora_kernel import SgmvLayerArgs, b_capacity, choose_backend, load_sgmv, pack_b, sgmv_add, unpack_b
 
 
 @pytest.fixture(scope="module")
@@ -24,8 +24,8 @@ def _case(seed: int, in_dim: int, outs: list[int], n_slots: int, max_rank: int, 
     g = torch.Generator().manual_seed(seed)
     rnd = random.Random(seed)
     nmod = len(outs)
-    a = torch.zeros(n_slots, max_rank * nmod, in_dim, dtype=wdt)
-    bs = [torch.zeros(n_slots, -(-o // BLOCK_COLS) * max_rank * BLOCK_COLS, dtype=wdt) for o in outs]
+    a = torch.zeros(n_slots, -(-max_rank * nmod // 16) * 16, in_dim, dtype=wdt)  # whole 16-row tiles, as the pool
+    bs = [torch.zeros(n_slots, b_capacity(o, max_rank), dtype=wdt) for o in outs]
     ranks = torch.zeros(n_slots, nmod, dtype=torch.int32)
     plain = {}
     for s in range(n_slots):
@@ -34,10 +34,9 @@ def _case(seed: int, in_dim: int, outs: list[int], n_slots: int, max_rank: int, 
             ranks[s, k] = r
             am = (torch.randn(r, in_dim, generator=g) * 0.1).to(wdt)
             bm = (torch.randn(r, o, generator=g) * 0.1).to(wdt)
-            a.view(n_slots, max_rank, nmod, in_dim)[s, :r, k] = am
-            nb = -(-o // BLOCK_COLS)
-            padded = torch.nn.functional.pad(bm, (0, nb * BLOCK_COLS - o)).view(r, nb, BLOCK_COLS).transpose(0, 1)
-            bs[k][s, : nb * r * BLOCK_COLS].view(nb, r, BLOCK_COLS).copy_(padded)
+            a.view(n_slots, -1, in_dim)[s, : max_rank * nmod].view(max_rank, nmod, in_dim)[:r, k] = am
+            pack_b(bm.T, bs[k][s])
+            assert torch.equal(unpack_b(bs[k][s], o, r), bm)
             plain[s, k] = (am.double(), bm.double())
     cols = [sum(outs[:k]) for k in range(nmod)]
     return SgmvLayerArgs(a, bs, outs, ranks, cols), plain, cols

@@ -224,7 +224,8 @@ static inline int64_t seg_items(const int64_t* seg, int64_t g, const int32_t* ra
 
 /* u[p0 + t, j] for rows j0..j1 of one slot's A (16-row tiles; rows up to the next multiple of 16 must exist) */
 static void shrink_amx(const uint32_t* xv, int nt, const uint16_t* a, int64_t in_dim, int64_t j0, int64_t j1, float* u,
-                       int64_t u_stride, int64_t p0) {
+                       int64_t u_stride, int64_t p0, int64_t nmod) {
+    int64_t rc = u_stride / nmod;
     float cbuf[16 * TBA];
     for (int64_t jb = j0; jb < j1; jb += 16) {
         _tile_zero(0);
@@ -236,7 +237,7 @@ static void shrink_amx(const uint32_t* xv, int nt, const uint16_t* a, int64_t in
         _tile_stored(0, cbuf, 64);
         int64_t jn = j1 - jb < 16 ? j1 - jb : 16;
         for (int64_t jj = 0; jj < jn; jj++)
-            for (int t = 0; t < nt; t++) u[(p0 + t) * u_stride + jb + jj] = cbuf[jj * TBA + t];
+            for (int t = 0; t < nt; t++) u[(p0 + t) * u_stride + (jb + jj) % nmod * rc + (jb + jj) / nmod] = cbuf[jj * TBA + t];
     }
 }
 #else
@@ -252,13 +253,14 @@ static void load_xh(const void* x, int64_t in_dim, const int64_t* tok, int nt, u
 /* u[p, j0..j1) for positions p0..p0+nt of one slot matrix a (rows of in_dim); xf holds the block's x rows in fp32,
  * or in bf16 when bf16dot (x and A both bf16 on a CPU with HAVE_BF16_DOT) */
 static void shrink_block(const float* xf, int nt, const void* a, int w_bf16, int64_t in_dim, int64_t j0, int64_t j1,
-                         float* u, int64_t u_stride, int64_t p0, int bf16dot) {
+                         float* u, int64_t u_stride, int64_t p0, int bf16dot, int64_t nmod) {
+    int64_t rc = u_stride / nmod; /* u is module-major: rank j of sub-module k of position p at p * u_stride + k * rc + j */
 #if HAVE_BF16_DOT
     if (bf16dot) {
         const uint16_t* xh = (const uint16_t*)xf;
         for (int64_t j = j0; j < j1; j++) {
             const uint16_t* w = (const uint16_t*)a + j * in_dim;
-            float* uj = u + p0 * u_stride + j;
+            float* uj = u + p0 * u_stride + j % nmod * rc + j / nmod;
             if (nt > 4) dotbf8(xh, w, in_dim, uj, u_stride, nt);
             else if (nt > 2) dotbf4(xh, w, in_dim, uj, u_stride, nt);
             else if (nt > 1) dotbf2(xh, w, in_dim, uj, u_stride, nt);
@@ -285,7 +287,7 @@ static void shrink_block(const float* xf, int nt, const void* a, int w_bf16, int
         } else {
             w = (const float*)a + j * in_dim;
         }
-        float* uj = u + p0 * u_stride + j;
+        float* uj = u + p0 * u_stride + j % nmod * rc + j / nmod;
         /* a block of nt tokens runs the next power-of-two kernel on zero-padded rows of xf: one pass over w */
         if (nt > 4) dot8(xf, w, in_dim, uj, u_stride, nt);
         else if (nt > 2) dot4(xf, w, in_dim, uj, u_stride, nt);
@@ -323,28 +325,38 @@ static inline void store_add(void* out, int64_t off, int out_bf16, v16 lo, v16 h
     }
 }
 
-/* out[t, col + c*BC ..) += sum_j u[t, j*nmod + k] * blk[j, 0..BC) for NT tokens, storing the first ow <= BC
- * columns. blk is one column block of B: all ranks of BC = 32 columns, contiguous (j-major), so a block streams
- * from memory in order; for bf16 each j is one 64-byte line. */
+/* out[t, col + c*BC ..) += sum_j uk[t, j] * B[j, c*BC ..) for NT tokens, storing the first ow <= BC columns. blk is
+ * one column block of B, contiguous so a block streams from memory in order: fp32 j-major [r][BC]; bf16 in rank
+ * pairs [(r + 1) / 2][BC][2] ("VNNI", the layout AMX reads), where one 32-bit lane holds B[j][c] in its low half
+ * and B[j+1][c] in its high half, so a shift and a mask make both fp32 (an odd r's last pair has a zero high half). */
 #define DEFINE_AXPY(NT)                                                                                           \
-    static inline void axpy##NT(const float* u, int64_t u_stride, int64_t nmod, int64_t k, int64_t r,             \
-                                const void* blk, int w_bf16, void* out, const int64_t* offs, int out_bf16, int nt,  \
-                                int64_t ow) {                                                                     \
+    static inline void axpy##NT(const float* uk, int64_t u_stride, int64_t r, const void* blk, int w_bf16,       \
+                                void* out, const int64_t* offs, int out_bf16, int nt, int64_t ow) {               \
         v16 lo[NT], hi[NT];                                                                                       \
         for (int t = 0; t < NT; t++) lo[t] = hi[t] = (v16){0};                                                    \
-        for (int64_t j = 0; j < r; j++) {                                                                         \
-            v16 b0, b1;                                                                                           \
-            __builtin_prefetch((const char*)blk + (j + PF) * BC * (w_bf16 ? 2 : 4));                              \
-            if (w_bf16) {                                                                                         \
-                const uint16_t* br = (const uint16_t*)blk + j * BC;                                               \
-                b0 = ldh(br), b1 = ldh(br + VW);                                                                  \
-            } else {                                                                                              \
-                const float* br = (const float*)blk + j * BC;                                                     \
-                b0 = ldf(br), b1 = ldf(br + VW);                                                                  \
+        if (w_bf16) {                                                                                             \
+            for (int64_t j = 0; j < r; j += 2) {                                                                  \
+                const uint32_t* br = (const uint32_t*)blk + (j / 2) * BC;                                         \
+                __builtin_prefetch(br + PF * BC);                                                                 \
+                u32x16 w0, w1;                                                                                    \
+                memcpy(&w0, br, sizeof w0), memcpy(&w1, br + VW, sizeof w1);                                      \
+                u32x16 e0 = w0 << 16, o0 = w0 & 0xffff0000u, e1 = w1 << 16, o1 = w1 & 0xffff0000u;               \
+                v16 be0, bo0, be1, bo1;                                                                           \
+                memcpy(&be0, &e0, 64), memcpy(&bo0, &o0, 64), memcpy(&be1, &e1, 64), memcpy(&bo1, &o1, 64);       \
+                for (int t = 0; t < NT; t++) {                                                                    \
+                    float ue = uk[t * u_stride + j], uo = j + 1 < r ? uk[t * u_stride + j + 1] : 0.f;             \
+                    lo[t] += ue * be0 + uo * bo0, hi[t] += ue * be1 + uo * bo1;                                   \
+                }                                                                                                 \
             }                                                                                                     \
-            for (int t = 0; t < NT; t++) {                                                                        \
-                float uj = u[t * u_stride + j * nmod + k];                                                        \
-                lo[t] += uj * b0, hi[t] += uj * b1;                                                               \
+        } else {                                                                                                  \
+            for (int64_t j = 0; j < r; j++) {                                                                     \
+                const float* br = (const float*)blk + j * BC;                                                     \
+                __builtin_prefetch(br + PF * BC);                                                                 \
+                v16 b0 = ldf(br), b1 = ldf(br + VW);                                                              \
+                for (int t = 0; t < NT; t++) {                                                                    \
+                    float uj = uk[t * u_stride + j];                                                              \
+                    lo[t] += uj * b0, hi[t] += uj * b1;                                                           \
+                }                                                                                                 \
             }                                                                                                     \
         }                                                                                                         \
         for (int t = 0; t < nt; t++) store_add(out, offs[t], out_bf16, lo[t], hi[t], ow);                         \
@@ -355,20 +367,23 @@ DEFINE_AXPY(2)
 DEFINE_AXPY(4)
 DEFINE_AXPY(8)
 
+/* elements of one column block of B at rank r (bf16: whole rank pairs) */
+static inline int64_t blk_elems(int64_t r, int w_bf16) { return (w_bf16 ? (r + 1) / 2 * 2 : r) * BC; }
+
 /* out rows tok[p0..p0+nt), columns col + o0 .. (one column block) */
 static void expand_block(const float* u, int64_t u_stride, int64_t nmod, int64_t k, int64_t r, const void* blk,
                          int w_bf16, int64_t out_k, int64_t o0, int nt, int64_t p0, const int64_t* tok, void* out,
                          int64_t out_stride, int out_bf16, int64_t col) {
-    const float* ut = u + p0 * u_stride;
+    const float* uk = u + p0 * u_stride + k * (u_stride / nmod);
     int64_t offs[TB];
     for (int t = 0; t < nt; t++) offs[t] = tok[p0 + t] * out_stride + col + o0;
     int64_t ow = out_k - o0 < BC ? out_k - o0 : BC;
     /* nt <= TB tokens run the next power-of-two kernel: rows past the block read other positions' u (or the
      * zeroed padding rows after the last one) and are never stored */
-    if (nt > 4) axpy8(ut, u_stride, nmod, k, r, blk, w_bf16, out, offs, out_bf16, nt, ow);
-    else if (nt > 2) axpy4(ut, u_stride, nmod, k, r, blk, w_bf16, out, offs, out_bf16, nt, ow);
-    else if (nt > 1) axpy2(ut, u_stride, nmod, k, r, blk, w_bf16, out, offs, out_bf16, nt, ow);
-    else axpy1(ut, u_stride, nmod, k, r, blk, w_bf16, out, offs, out_bf16, nt, ow);
+    if (nt > 4) axpy8(uk, u_stride, r, blk, w_bf16, out, offs, out_bf16, nt, ow);
+    else if (nt > 2) axpy4(uk, u_stride, r, blk, w_bf16, out, offs, out_bf16, nt, ow);
+    else if (nt > 1) axpy2(uk, u_stride, r, blk, w_bf16, out, offs, out_bf16, nt, ow);
+    else axpy1(uk, u_stride, r, blk, w_bf16, out, offs, out_bf16, nt, ow);
 }
 
 /* Returns 0, or -1 when in_dim is over the kernel's row buffer (the caller then uses its torch path).
@@ -412,7 +427,7 @@ int loom_lora_sgmv(int64_t in_dim, const void* x, int x_bf16, void* out, int64_t
                 int nt = (int)((p1 - pa) < TBA ? (p1 - pa) : TBA);
                 if (pa != xf_p0 || nt != xf_nt) load_xv(x, in_dim, tok + pa, nt, (uint32_t*)xf), xf_p0 = pa, xf_nt = nt;
                 const uint16_t* a = (const uint16_t*)A + s * a_slot_stride;
-                shrink_amx((const uint32_t*)xf, nt, a, in_dim, jb, jb + 16 < rows ? jb + 16 : rows, u, u_stride, pa);
+                shrink_amx((const uint32_t*)xf, nt, a, in_dim, jb, jb + 16 < rows ? jb + 16 : rows, u, u_stride, pa, nmod);
             }
             _tile_release();
         } else
@@ -440,7 +455,7 @@ int loom_lora_sgmv(int64_t in_dim, const void* x, int x_bf16, void* out, int64_t
                         xf_p0 = pa, xf_nt = nt;
                     }
                     int64_t j1 = (jb + 1) * JB < rows ? (jb + 1) * JB : rows;
-                    shrink_block(xf, nt, a, w_bf16, in_dim, jb * JB, j1, u, u_stride, pa, bf16dot);
+                    shrink_block(xf, nt, a, w_bf16, in_dim, jb * JB, j1, u, u_stride, pa, bf16dot, nmod);
                 }
             }
         }
@@ -463,7 +478,7 @@ int loom_lora_sgmv(int64_t in_dim, const void* x, int x_bf16, void* out, int64_t
                     int64_t tb = it / nc, c = it % nc;
                     int64_t pa = p0 + tb * TB;
                     int nt = (int)((p1 - pa) < TB ? (p1 - pa) : TB);
-                    expand_block(u, u_stride, nmod, k, r, b + c * r * BC * esz, w_bf16, out_k[k], c * BC, nt, pa, tok, out, out_stride,
+                    expand_block(u, u_stride, nmod, k, r, b + c * blk_elems(r, w_bf16) * esz, w_bf16, out_k[k], c * BC, nt, pa, tok, out, out_stride,
                                  out_bf16, col_k[k]);
                 }
             }
