@@ -30,7 +30,7 @@ def _case(seed: int, in_dim: int, outs: list[int], n_slots: int, max_rank: int, 
     plain = {}
     for s in range(n_slots):
         for k, o in enumerate(outs):
-            r = rnd.choice([0, 1, 3, 8, 16, max_rank])
+            r = rnd.choice([0, 1, 3, 8, 16, 33, max_rank]) if max_rank > 16 else rnd.choice([0, 1, 3, 8, max_rank])
             ranks[s, k] = r
             am = (torch.randn(r, in_dim, generator=g) * 0.1).to(wdt)
             bm = (torch.randn(r, o, generator=g) * 0.1).to(wdt)
@@ -43,19 +43,20 @@ def _case(seed: int, in_dim: int, outs: list[int], n_slots: int, max_rank: int, 
 
 
 @pytest.mark.parametrize(
-    "in_dim,outs,xdt,wdt",
+    "in_dim,outs,xdt,wdt,max_rank",
     [
-        (64, [64, 32, 32], torch.float32, torch.float32),
-        (96, [96], torch.bfloat16, torch.bfloat16),
-        (40, [70, 33], torch.bfloat16, torch.bfloat16),  # widths off the 16/32 grid: tails of both phases
-        (72, [50, 18, 18], torch.float32, torch.float32),
-        (48, [64, 64], torch.bfloat16, torch.float32),  # a bf16 model over fp32 slots
+        (64, [64, 32, 32], torch.float32, torch.float32, 16),
+        (96, [96], torch.bfloat16, torch.bfloat16, 16),  # AMX where the CPU has it (32-aligned inputs)
+        (128, [80, 48, 16], torch.bfloat16, torch.bfloat16, 45),  # AMX over several 32-rank chunks, odd ranks
+        (40, [70, 33], torch.bfloat16, torch.bfloat16, 16),  # widths off the 16/32 grid: tails of both phases
+        (72, [50, 18, 18], torch.float32, torch.float32, 16),
+        (48, [64, 64], torch.bfloat16, torch.float32, 16),  # a bf16 model over fp32 slots
     ],
 )
-def test_kernel_matches_float64_maths(fn, in_dim, outs, xdt, wdt):
+def test_kernel_matches_float64_maths(fn, in_dim, outs, xdt, wdt, max_rank):
     """Interleaved tokens of several slots (1 to 19 tokens each: every register-block size and partial blocks),
     mixed ranks including rank 0 per sub-module, base tokens untouched."""
-    n_slots, max_rank = 4, 16
+    n_slots = 4
     la, plain, cols = _case(in_dim + len(outs), in_dim, outs, n_slots, max_rank, wdt)
     rnd = random.Random(in_dim)
     per_slot = {s: rnd.choice([1, 2, 3, 5, 8, 9, 19]) for s in range(n_slots)}

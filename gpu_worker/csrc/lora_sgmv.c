@@ -386,6 +386,63 @@ static void expand_block(const float* u, int64_t u_stride, int64_t nmod, int64_t
     else axpy1(uk, u_stride, r, blk, w_bf16, out, offs, out_bf16, nt, ow);
 }
 
+#if HAVE_AMX
+/* AMX expand work items of segment g: per sub-module with weights, token blocks x 16-column tiles */
+static inline int64_t expand_items(const int64_t* seg, int64_t g, const int32_t* ranks, int64_t nmod,
+                                   const int64_t* out_k) {
+    int64_t s = seg[3 * g], ntb = (seg[3 * g + 2] - seg[3 * g + 1] + TBA - 1) / TBA, n = 0;
+    for (int64_t k = 0; k < nmod; k++)
+        if (ranks[s * nmod + k]) n += ntb * ((out_k[k] + 15) / 16);
+    return n;
+}
+
+/* uk[t, :r] for t < nt as bf16 AMX tiles ut[ceil(r / 32)][TBA][32], zero past r and past nt (built once per
+ * token block and sub-module, then used for all its column tiles) */
+static void build_ut(const float* uk, int64_t u_stride, int64_t r, int nt, uint16_t* ut) {
+    for (int64_t j0 = 0; j0 < r; j0 += 32) {
+        __mmask16 m0 = (__mmask16)(r - j0 >= 16 ? 0xffff : (1u << (r - j0)) - 1);
+        __mmask16 m1 = (__mmask16)(r - j0 >= 32 ? 0xffff : r - j0 <= 16 ? 0 : (1u << (r - j0 - 16)) - 1);
+        for (int t = 0; t < TBA; t++) {
+            __m512 lo = t < nt ? _mm512_maskz_loadu_ps(m0, uk + t * u_stride + j0) : _mm512_setzero_ps();
+            __m512 hi = t < nt ? _mm512_maskz_loadu_ps(m1, uk + t * u_stride + j0 + 16) : _mm512_setzero_ps();
+            __m512bh h = _mm512_cvtne2ps_pbh(hi, lo);
+            memcpy(ut + (j0 / 32) * TBA * 32 + t * 32, &h, 64);
+        }
+    }
+}
+
+/* out[tok[t], col .. col + ow) += u_t[:r] @ B[:r, 16 columns] for t < nt, with B in rank pairs: 16 pairs (32 ranks)
+ * per tile, read with the 128-byte stride of a 32-column block (b points at the block's first or second 16 columns);
+ * rows past the rank's pairs read the next block's weights or the zero pad and meet zeros in the u tile. */
+static void expand_amx(const uint16_t* ut, int64_t r, const uint16_t* b, int nt, const int64_t* tok, void* out,
+                       int64_t out_stride, int out_bf16, int64_t col, int64_t ow) {
+    float cbuf[TBA * 16];
+    _tile_zero(0);
+    for (int64_t j0 = 0; j0 < r; j0 += 32) {
+        _tile_loadd(1, ut + (j0 / 32) * TBA * 32, 64);
+        _tile_loadd(2, b + (j0 / 2) * 2 * BC, 2 * BC * 2);
+        _tile_dpbf16ps(0, 1, 2);
+    }
+    _tile_stored(0, cbuf, 64);
+    __mmask16 m = (__mmask16)(ow >= 16 ? 0xffff : (1u << ow) - 1);
+    for (int t = 0; t < nt; t++) {
+        int64_t off = tok[t] * out_stride + col;
+        __m512 d = _mm512_loadu_ps(cbuf + t * 16);
+        if (out_bf16) {
+            uint16_t* o = (uint16_t*)out + off;
+            __m512i w = _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, o)), 16);
+            __m256bh h = _mm512_cvtneps_pbh(_mm512_add_ps(_mm512_castsi512_ps(w), d));
+            __m256i hi;
+            memcpy(&hi, &h, 32);
+            _mm256_mask_storeu_epi16(o, m, hi);
+        } else {
+            float* o = (float*)out + off;
+            _mm512_mask_storeu_ps(o, m, _mm512_add_ps(_mm512_maskz_loadu_ps(m, o), d));
+        }
+    }
+}
+#endif
+
 /* Returns 0, or -1 when in_dim is over the kernel's row buffer (the caller then uses its torch path).
  * tok: the LoRA tokens' rows of x/out, grouped by slot; seg: nseg x (slot, p0, p1) into tok. ranks: [slots, nmod] int32 of this layer (0 = slot has no weights there).
  * A: [slots, a_rows, in_dim] (a_rows = max_rank * nmod). B[k]: slot s at B[k] + s * b_slot_stride[k], packed at
@@ -409,8 +466,8 @@ int loom_lora_sgmv(int64_t in_dim, const void* x, int x_bf16, void* out, int64_t
         float xf[TB * MAXIN];
         int64_t xf_p0 = -1, xf_nt = 0; /* the token block xf holds (static schedules hand a thread runs of one block) */
 #if HAVE_AMX
+        if (amx) amx_config();
         if (amx) {
-            amx_config();
             /* shrink: work items = (segment, block of TBA tokens, 16-row tile), numbered across all segments so the
              * threads split the whole step evenly (a segment alone may be one tile); xf holds the block's xv */
             int64_t total = 0;
@@ -429,7 +486,6 @@ int loom_lora_sgmv(int64_t in_dim, const void* x, int x_bf16, void* out, int64_t
                 const uint16_t* a = (const uint16_t*)A + s * a_slot_stride;
                 shrink_amx((const uint32_t*)xf, nt, a, in_dim, jb, jb + 16 < rows ? jb + 16 : rows, u, u_stride, pa, nmod);
             }
-            _tile_release();
         } else
 #endif
         {
@@ -462,24 +518,59 @@ int loom_lora_sgmv(int64_t in_dim, const void* x, int x_bf16, void* out, int64_t
 #ifdef _OPENMP
 #pragma omp barrier
 #endif
-        /* expand: work items = (segment, sub-module, token block, column chunk); each owns its out cells */
-        for (int64_t g = 0; g < nseg; g++) {
-            int64_t s = seg[3 * g], p0 = seg[3 * g + 1], p1 = seg[3 * g + 2];
-            int64_t ntb = (p1 - p0 + TB - 1) / TB;
-            for (int64_t k = 0; k < nmod; k++) {
-                int64_t r = ranks[s * nmod + k];
-                if (!r) continue;
-                int64_t nc = (out_k[k] + BC - 1) / BC;
-                const char* b = (const char*)B[k] + s * b_slot_stride[k] * esz;
+#if HAVE_AMX
+        if (amx) {
+            /* expand: work items = (segment, sub-module, block of TBA tokens, 16 output columns), across segments;
+             * xf (free after the shrink) holds the u tiles of the item's token block and sub-module */
+            int64_t total = 0, ut_g = -1, ut_k = -1, ut_p = -1;
+            for (int64_t g = 0; g < nseg; g++) total += expand_items(seg, g, ranks, nmod, out_k);
 #ifdef _OPENMP
 #pragma omp for schedule(static) nowait
 #endif
-                for (int64_t it = 0; it < ntb * nc; it++) {
-                    int64_t tb = it / nc, c = it % nc;
-                    int64_t pa = p0 + tb * TB;
-                    int nt = (int)((p1 - pa) < TB ? (p1 - pa) : TB);
-                    expand_block(u, u_stride, nmod, k, r, b + c * blk_elems(r, w_bf16) * esz, w_bf16, out_k[k], c * BC, nt, pa, tok, out, out_stride,
-                                 out_bf16, col_k[k]);
+            for (int64_t it = 0; it < total; it++) {
+                int64_t g = 0, rest = it, n;
+                while (rest >= (n = expand_items(seg, g, ranks, nmod, out_k))) rest -= n, g++;
+                int64_t s = seg[3 * g], p0 = seg[3 * g + 1], p1 = seg[3 * g + 2], k = 0;
+                int64_t ntb = (p1 - p0 + TBA - 1) / TBA;
+                for (;; k++) {
+                    int64_t nk = ranks[s * nmod + k] ? ntb * ((out_k[k] + 15) / 16) : 0;
+                    if (rest < nk) break;
+                    rest -= nk;
+                }
+                int64_t r = ranks[s * nmod + k], nct = (out_k[k] + 15) / 16;
+                int64_t pa = p0 + rest / nct * TBA, ct = rest % nct;
+                int nt = (int)((p1 - pa) < TBA ? (p1 - pa) : TBA);
+                const uint16_t* b = (const uint16_t*)B[k] + s * b_slot_stride[k] + (ct / 2) * blk_elems(r, 1) + ct % 2 * VW * 2;
+                if (g != ut_g || k != ut_k || pa != ut_p) {
+                    build_ut(u + pa * u_stride + k * (u_stride / nmod), u_stride, r, nt, (uint16_t*)xf);
+                    ut_g = g, ut_k = k, ut_p = pa;
+                }
+                expand_amx((const uint16_t*)xf, r, b, nt, tok + pa, out, out_stride, out_bf16, col_k[k] + ct * 16,
+                           out_k[k] - ct * 16 < 16 ? out_k[k] - ct * 16 : 16);
+            }
+            _tile_release();
+        } else
+#endif
+        {
+        /* expand: work items = (segment, sub-module, token block, column chunk); each owns its out cells */
+            for (int64_t g = 0; g < nseg; g++) {
+                int64_t s = seg[3 * g], p0 = seg[3 * g + 1], p1 = seg[3 * g + 2];
+                int64_t ntb = (p1 - p0 + TB - 1) / TB;
+                for (int64_t k = 0; k < nmod; k++) {
+                    int64_t r = ranks[s * nmod + k];
+                    if (!r) continue;
+                    int64_t nc = (out_k[k] + BC - 1) / BC;
+                    const char* b = (const char*)B[k] + s * b_slot_stride[k] * esz;
+#ifdef _OPENMP
+#pragma omp for schedule(static) nowait
+#endif
+                    for (int64_t it = 0; it < ntb * nc; it++) {
+                        int64_t tb = it / nc, c = it % nc;
+                        int64_t pa = p0 + tb * TB;
+                        int nt = (int)((p1 - pa) < TB ? (p1 - pa) : TB);
+                        expand_block(u, u_stride, nmod, k, r, b + c * blk_elems(r, w_bf16) * esz, w_bf16, out_k[k], c * BC, nt, pa, tok, out, out_stride,
+                                     out_bf16, col_k[k]);
+                    }
                 }
             }
         }
