@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 from lora_helpers import (
     ADAPTER_NAMES,
     generate_many,
@@ -107,6 +108,40 @@ def test_prefill_logits_of_mixed_batch_match_peft(ref, backend):
         assert float((ref["logits"][f"{t}|raw_fox"] - ref["logits"]["base|raw_fox"]).abs().max()) > 0.1, t
     assert worst < 1e-3
     del worker
+
+
+def test_bf16_kernel_matches_torch_path_and_leaves_base_gemms_alone(ref):
+    """bf16, where the kernel runs AMX or AVX512-BF16 next to oneDNN's own AMX GEMMs: a base-only step before and
+    after a mixed step is bit-identical (the kernel's tile use never disturbs torch's), and the mixed step's logits
+    track the torch path's (bf16 rounding differs between them) and the fp32 peft reference."""
+    skip_without_kernel()
+    plan, next_slot = [], 0
+    sp = WorkerSampling(0.0, 1.0, -1, None)
+    for i, (p, ids) in enumerate(ref["input_ids"].items()):
+        for j in range(len(TAGS)):
+            t = TAGS[(j * 3 + i) % len(TAGS)]
+            plan.append((t, p, ids, list(range(next_slot, next_slot + len(ids)))))
+            next_slot += len(ids)
+
+    def step(worker, with_lora: bool):
+        reqs = [
+            BatchReq(f"{t}-{p}", k, ids, 0, slots, f"uid-{t}" if with_lora and t != "base" else None, sp)
+            for k, (t, p, ids, slots) in enumerate(plan)
+        ]
+        return worker.forward_logits(ForwardBatch(1, reqs)).float()
+
+    got = {}
+    for backend in ("cpu-sgmv", "torch"):
+        w = six_adapter_worker(dtype="bfloat16", max_total_tokens=1024, max_running_requests=32, lora_backend=backend)
+        before = step(w, False)
+        got[backend] = step(w, True)
+        assert torch.equal(step(w, False), before), backend
+        del w
+    worst = float((got["cpu-sgmv"] - got["torch"]).abs().max())
+    assert worst < 0.5, f"cpu-sgmv vs torch path, bf16: max |logit diff| {worst:.3f}"
+    for backend, logits in got.items():  # both within bf16 noise of the fp32 reference
+        err = max(float((logits[k] - ref["logits"][f"{t}|{p}"]).abs().max()) for k, (t, p, _, _) in enumerate(plan))
+        assert err < 1.0, f"{backend}: max |logit diff| to peft fp32 {err:.3f}"
 
 
 @pytest.fixture(scope="module")

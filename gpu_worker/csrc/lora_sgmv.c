@@ -1,14 +1,18 @@
 /* Segmented LoRA shrink + expand for CPU tensors (Punica's SGMV idea, arXiv 2310.18547, written for CPUs).
  *
- * One call applies the LoRA of one fused projection (e.g. q|k|v) of one layer to a whole step:
- *   for every segment (slot s, positions p0..p1 of the token list tok) and sub-module k, t = tok[p]:
- *     u[t, j*nmod + k] = x[t] . A[s, j*nmod + k]              (shrink, j < the segment's largest rank)
- *     out[t, col_k + o] += sum_{j < rank[s][k]} u[t, j*nmod+k] * B_k[s, j, o]   (expand)
- * Accumulation is fp32; x/out and the slot weights may each be bf16 or fp32. Plain C, compiled on the
- * serving machine with -O3 -march=native, so the compiler picks the vector ISA the CPU has (AVX2, AVX-512);
- * the inner loops have fixed widths so they vectorise. Why not torch: a step makes ~120 of these small
- * GEMMs per fused projection set, and torch's bmm costs 100-200 us of fixed overhead each on this CPU.
- * Threads: OpenMP when built with it (the process shares torch's libgomp), over token blocks x columns.
+ * One call applies the LoRA of one fused projection (e.g. q|k|v) of one layer to a whole step. The step's LoRA
+ * tokens are listed by slot (tok), and each segment (slot s, positions p0..p1 of tok) is worked on once, so a
+ * slot's weights are read once per call however its requests interleave. For sub-module k, t = tok[p]:
+ *     u[p, k, j] = x[t] . A[s, j*nmod + k]                       (shrink, j < the segment's largest rank)
+ *     out[t, col_k + o] += sum_{j < rank[s][k]} u[p, k, j] * B_k[s][j, o]   (expand, at the adapter's rank)
+ * Accumulation is fp32; x/out and the slot weights may each be bf16 or fp32. The code is plain C compiled on the
+ * serving machine with -O3 -march=native, so the compiler uses the vector ISA the CPU has (AVX2, AVX-512;
+ * GCC/Clang vector extensions with fixed widths). For bf16 x and weights it goes further where the CPU can:
+ * AVX512-BF16 (vdpbf16ps) for the shrink, and AMX tiles (tdpbf16ps, 16x the MACs per instruction) for both
+ * halves; AMX needs the expand weights in rank pairs ("VNNI"), which is how the pool packs bf16 slots anyway.
+ * Why not torch: a step needs 120 of these small GEMM pairs, and on this CPU each torch bmm costs 100-200 us
+ * of fixed overhead; a decode step's adapter math is memory-bound at best (all slots' weights are read once).
+ * Threads: OpenMP when built with it (the process shares torch's already-loaded libgomp, one thread pool).
  */
 #include <stdint.h>
 #include <string.h>
@@ -20,9 +24,7 @@
 #define VW 16  /* fp32 lanes per vector (GCC/Clang vector extensions: AVX-512 = one register, AVX2 = two) */
 #define JB 16  /* shrink rows per work item */
 #define MAXIN 4096
-#ifndef SPF
-#define SPF 2304 /* bytes of A prefetched ahead */
-#endif
+#define SPF 2304 /* bytes of A prefetched ahead (across rows: the hardware prefetcher stops at 4 KiB pages) */
 
 typedef float v16 __attribute__((vector_size(64)));
 typedef uint32_t u32x16 __attribute__((vector_size(64)));
@@ -297,9 +299,7 @@ static void shrink_block(const float* xf, int nt, const void* a, int w_bf16, int
 }
 
 #define BC (2 * VW) /* columns per block of B */
-#ifndef PF
 #define PF 16 /* rows of a B block prefetched ahead (may run past the block: prefetches never fault) */
-#endif
 
 /* out[off .. off+ow) += (lo|hi)[..ow) in out's dtype */
 static inline void store_add(void* out, int64_t off, int out_bf16, v16 lo, v16 hi, int64_t ow) {
