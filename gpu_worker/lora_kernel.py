@@ -111,10 +111,13 @@ def _compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
 
 
+# never -ffast-math: linking a shared object with it sets flush-to-zero for the whole process (crtfastmath.o), which
+# silently changes torch's and the sampler's numerics; -ffp-contract=fast lets the compiler use FMA
+CFLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fno-math-errno", "-fPIC", "-shared", "-std=gnu11"]
+
+
 def _build(cc: str, out: Path, openmp: bool) -> None:
-    flags = ["-O3", "-march=native", "-ffast-math", "-fPIC", "-shared", "-std=c11"]
-    if openmp:
-        flags.append("-fopenmp")
+    flags = CFLAGS + (["-fopenmp"] if openmp else [])
     tmp = out.with_name(f"{out.name}.tmp{os.getpid()}")
     try:
         subprocess.run([cc, *flags, str(SOURCE), "-o", str(tmp)], check=True, capture_output=True, timeout=120)
@@ -140,8 +143,9 @@ def load_sgmv(cache_dir: Path) -> ctypes._CFuncPtr | None:  # type: ignore[name-
         log.info("C compiler %s unusable (%s): LoRA uses the torch path", cc, e)
         return None
     key = hashlib.sha256(
-        SOURCE.read_bytes() + version.encode() + _cpu_flags().encode() + platform.machine().encode()
-    ).hexdigest()[:16]
+        SOURCE.read_bytes() + " ".join(CFLAGS).encode() + version.encode() + _cpu_flags().encode()
+        + platform.machine().encode()
+    ).hexdigest()[:16]  # fmt: skip
     for openmp in (True, False):
         path = cache_dir / f"lora_sgmv-{key}{'-omp' if openmp else ''}.so"
         try:

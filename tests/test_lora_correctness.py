@@ -113,7 +113,7 @@ def test_prefill_logits_of_mixed_batch_match_peft(ref, backend):
 def test_bf16_kernel_matches_torch_path_and_leaves_base_gemms_alone(ref):
     """bf16, where the kernel runs AMX or AVX512-BF16 next to oneDNN's own AMX GEMMs: a base-only step before and
     after a mixed step is bit-identical (the kernel's tile use never disturbs torch's), and the mixed step's logits
-    track the torch path's (bf16 rounding differs between them) and the fp32 peft reference."""
+    are as close to the fp32 peft reference as the torch path's."""
     skip_without_kernel()
     plan, next_slot = [], 0
     sp = WorkerSampling(0.0, 1.0, -1, None)
@@ -137,11 +137,14 @@ def test_bf16_kernel_matches_torch_path_and_leaves_base_gemms_alone(ref):
         got[backend] = step(w, True)
         assert torch.equal(step(w, False), before), backend
         del w
-    worst = float((got["cpu-sgmv"] - got["torch"]).abs().max())
-    assert worst < 0.5, f"cpu-sgmv vs torch path, bf16: max |logit diff| {worst:.3f}"
-    for backend, logits in got.items():  # both within bf16 noise of the fp32 reference
-        err = max(float((logits[k] - ref["logits"][f"{t}|{p}"]).abs().max()) for k, (t, p, _, _) in enumerate(plan))
-        assert err < 1.0, f"{backend}: max |logit diff| to peft fp32 {err:.3f}"
+    err = {}  # mean and max |logit diff| to the fp32 peft reference over all rows
+    for backend, logits in got.items():
+        diffs = [(logits[k] - ref["logits"][f"{t}|{p}"]).abs() for k, (t, p, _, _) in enumerate(plan)]
+        err[backend] = (sum(float(d.mean()) for d in diffs) / len(diffs), max(float(d.max()) for d in diffs))
+    # bf16 rounding differs between the paths (the kernel accumulates in fp32 and rounds once), so they agree only
+    # as closely as each agrees with fp32: the kernel must be as accurate as the torch path on average
+    assert err["cpu-sgmv"][0] <= 1.25 * err["torch"][0] + 0.01, err
+    assert err["cpu-sgmv"][1] <= 2 * err["torch"][1] + 0.5, err
 
 
 @pytest.fixture(scope="module")

@@ -125,3 +125,9 @@ def test_backend_choice(fn, tmp_path):
         choose_backend("cpu-sgmv", torch.float32, cpu, tmp_path, widest_in=8192)
     with pytest.raises(RuntimeError, match="fp32/bf16"):
         choose_backend("cpu-sgmv", torch.float16, cpu, tmp_path)
+
+
+def test_loading_the_kernel_keeps_subnormals(fn):
+    """The kernel is built without -ffast-math, whose crtfastmath.o would set flush-to-zero for the whole process
+    (torch, the sampler) when the library loads."""
+    assert (torch.tensor([1e-39]) * 0.5).item() != 0.0
