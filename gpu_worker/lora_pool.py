@@ -70,11 +70,11 @@ class HostAdapter:
 class LoraPool:
     """Slots and host tier of one TP rank.
 
-    Device buffers per layer and target module: ``A [slots, max_rank, in_local]`` and
-    ``B [slots, max_rank, out_local]`` (scaling folded into B; rank-major so an expand reads whole output
-    rows). ``slot_rank[s][layer][module]`` is the rank the slot's occupant has there, 0 where it has no weights
-    (the buffer is zeroed too, so nothing of a previous occupant can leak); ``rank_tab[fused]`` holds the same
-    ranks as int32 ``[layers, slots, sub-modules]`` for the C kernel.
+    Device buffers per layer and target module: ``A [slots, max_rank, in_local]`` (views of one fused buffer per
+    projection, rank-major) and ``B [slots, max_rank, out_local]`` (scaling folded into B), or with the C kernel
+    one packed run per slot (see ``_b_shape``). ``slot_rank[s][layer][module]`` is the rank the slot's
+    occupant has there, 0 where it has no weights (the buffer is zeroed too, so nothing of a previous occupant
+    can leak); ``rank_tab[fused]`` holds the same ranks as int32 ``[layers, slots, sub-modules]`` for the kernel.
     """
 
     def __init__(
