@@ -16,6 +16,7 @@ import hashlib
 import logging
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 from functools import cache
@@ -107,59 +108,98 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
-def _compiler() -> str | None:
-    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+def _compiler() -> list[str] | None:
+    """The C compiler command: ``$CC`` (split like a shell would, e.g. ``ccache gcc``), else cc, gcc or clang."""
+    if os.environ.get("CC"):
+        return shlex.split(os.environ["CC"])
+    found = shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    return [found] if found else None
 
 
 # never -ffast-math: linking a shared object with it sets flush-to-zero for the whole process (crtfastmath.o), which
 # silently changes torch's and the sampler's numerics; -ffp-contract=fast lets the compiler use FMA
 CFLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fno-math-errno", "-fPIC", "-shared", "-std=gnu11"]
 
+# why the last load_sgmv(cache_dir) has no kernel, or runs it single-threaded ("" = built with OpenMP)
+LOAD_NOTES: dict[Path, str] = {}
 
-def _build(cc: str, out: Path, openmp: bool) -> None:
+
+def _build(cc: list[str], out: Path, openmp: bool) -> None:
+    """Compile into a private file, record its sha256 next to it, and rename both into place."""
     flags = CFLAGS + (["-fopenmp"] if openmp else [])
     tmp = out.with_name(f"{out.name}.tmp{os.getpid()}")
     try:
-        subprocess.run([cc, *flags, str(SOURCE), "-o", str(tmp)], check=True, capture_output=True, timeout=120)
+        subprocess.run([*cc, *flags, str(SOURCE), "-o", str(tmp)], check=True, capture_output=True, timeout=120)
+        digest = out.with_name(f"{out.name}.sha256.tmp{os.getpid()}")
+        digest.write_text(hashlib.sha256(tmp.read_bytes()).hexdigest())
         os.replace(tmp, out)
+        os.replace(digest, _digest_path(out))
     finally:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
+        for f in (tmp, out.with_name(f"{out.name}.sha256.tmp{os.getpid()}")):
+            with contextlib.suppress(OSError):
+                f.unlink()
+
+
+def _digest_path(so: Path) -> Path:
+    return so.with_name(f"{so.name}.sha256")
+
+
+def _intact(so: Path) -> bool:
+    """Whether ``so`` is the file a build wrote (its recorded sha256): loading a truncated shared object does not
+    raise, it kills the process with SIGBUS."""
+    try:
+        return hashlib.sha256(so.read_bytes()).hexdigest() == _digest_path(so).read_text().strip()
+    except OSError:
+        return False
+
+
+def _failure(e: BaseException) -> str:
+    err = (getattr(e, "stderr", b"") or b"").decode(errors="replace").strip()
+    return f"{e}{': ' + err[-300:] if err else ''}"
 
 
 @cache
 def load_sgmv(cache_dir: Path) -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
     """The ``loom_lora_sgmv`` C function (argtypes set), building it into ``cache_dir`` on first use.
 
-    Returns None, after one log line saying why, when there is no C compiler or the build or load fails.
+    A cached build is used only if its recorded sha256 matches (else it is rebuilt). Tries an OpenMP build,
+    then a single-threaded one. Returns None when there is no C compiler or neither builds and loads; the
+    reason (or the single-threaded fallback's) is logged as a warning and kept in ``LOAD_NOTES[cache_dir]``.
     """
     cc = _compiler()
     if cc is None:
-        log.info("no C compiler (cc/gcc/clang): LoRA uses the torch path")
+        LOAD_NOTES[cache_dir] = "no C compiler found ($CC, cc, gcc or clang)"
+        log.warning("LoRA kernel: %s", LOAD_NOTES[cache_dir])
         return None
     try:
-        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+        version = subprocess.run([*cc, "--version"], capture_output=True, text=True, timeout=30, check=True).stdout
     except (OSError, subprocess.SubprocessError) as e:
-        log.info("C compiler %s unusable (%s): LoRA uses the torch path", cc, e)
+        LOAD_NOTES[cache_dir] = f"the C compiler {' '.join(cc)} does not run ({_failure(e)})"
+        log.warning("LoRA kernel: %s", LOAD_NOTES[cache_dir])
         return None
     key = hashlib.sha256(
         SOURCE.read_bytes() + " ".join(CFLAGS).encode() + version.encode() + _cpu_flags().encode()
         + platform.machine().encode()
     ).hexdigest()[:16]  # fmt: skip
+    failures = []
     for openmp in (True, False):
         path = cache_dir / f"lora_sgmv-{key}{'-omp' if openmp else ''}.so"
         try:
-            if not path.exists():
+            if not _intact(path):
                 cache_dir.mkdir(parents=True, exist_ok=True)
                 _build(cc, path, openmp)
             fn = ctypes.CDLL(str(path)).loom_lora_sgmv
         except (OSError, subprocess.SubprocessError) as e:
-            err = getattr(e, "stderr", b"") or b""
-            log.info("LoRA kernel build/load (openmp=%s) failed: %s %s", openmp, e, err.decode(errors="replace")[-500:])
+            failures.append(f"{'OpenMP' if openmp else 'single-threaded'} build/load in {cache_dir}: {_failure(e)}")
             continue
         fn.argtypes = _ARGTYPES
         fn.restype = ctypes.c_int
+        LOAD_NOTES[cache_dir] = "" if openmp else f"single-threaded ({failures[0]})"
+        if failures:
+            log.warning("LoRA kernel runs single-threaded: %s", failures[0])
         return fn
+    LOAD_NOTES[cache_dir] = "; ".join(failures)
+    log.warning("LoRA kernel unavailable: %s", LOAD_NOTES[cache_dir])
     return None
 
 
@@ -288,29 +328,33 @@ def choose_backend(
     """
     if requested == "torch":
         return None, "--lora-backend torch"
-    usable = device.type == "cpu" and dtype in KERNEL_DTYPES and widest_in <= MAX_IN_DIM
-    fn = load_sgmv(cache_dir / "kernels") if usable else None
+    fn, how, threads = None, "", ""
+    if device.type != "cpu" or dtype not in KERNEL_DTYPES or widest_in > MAX_IN_DIM:
+        how = f"the C kernel does not apply: it runs on CPU, fp32/bf16, inputs <= {MAX_IN_DIM} wide (have {device}, "
+        how += f"{dtype}, {widest_in})"
+    else:
+        fn = load_sgmv(cache_dir / "kernels")
+        note = LOAD_NOTES.get(cache_dir / "kernels", "")
+        how, threads = (f"the C kernel is unavailable: {note}", "") if fn is None else ("", f"; {note}" if note else "")
     if requested == "cpu-sgmv":
         if fn is None:
-            why = (
-                "a C compiler (cc) to build it"
-                if usable
-                else f"a CPU, fp32/bf16 and inputs <= {MAX_IN_DIM} wide (have {device}, {dtype}, {widest_in})"
-            )
-            raise RuntimeError(f"--lora-backend cpu-sgmv needs {why}")
-        return fn, "--lora-backend cpu-sgmv"
-    if fn is None:
-        return None, f"auto: torch (the C kernel is for CPU fp32/bf16, inputs <= {MAX_IN_DIM}, and needs a C compiler)"
-    key = f"{torch.__version__}|{dtype}|{hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:16]}"
-    from gpu_worker.timing import cached_choice
+            raise RuntimeError(f"--lora-backend cpu-sgmv cannot serve here: {how}")
+        return fn, f"--lora-backend cpu-sgmv{threads}"
+    faster = False
+    if fn is not None:
+        from gpu_worker.timing import cached_choice
 
-    faster, how = cached_choice(
-        cache_dir / "kernel-choice", "lora-sgmv-vs-torch", key, lambda: _kernel_beats_torch(fn, dtype)
-    )
-    if group is not None:
+        key = f"{torch.__version__}|{dtype}|{hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:16]}"
+        kernel = fn
+        faster, how = cached_choice(
+            cache_dir / "kernel-choice", "lora-sgmv-vs-torch", key, lambda: _kernel_beats_torch(kernel, dtype)
+        )
+    if group is not None:  # every rank votes, also one without the kernel, so all take the same path
         import torch.distributed as dist
 
         vote = torch.tensor([int(faster)])
         dist.all_reduce(vote, op=dist.ReduceOp.MIN, group=group)
+        if faster and not vote.item():
+            how += "; another TP rank cannot use the kernel or measured it slower"
         faster = bool(vote.item())
-    return (fn if faster else None), f"auto: {'cpu-sgmv' if faster else 'torch'} ({how})"
+    return (fn if faster else None), f"auto: {'cpu-sgmv' if faster else 'torch'} ({how}){threads if faster else ''}"

@@ -131,3 +131,56 @@ def test_loading_the_kernel_keeps_subnormals(fn):
     """The kernel is built without -ffast-math, whose crtfastmath.o would set flush-to-zero for the whole process
     (torch, the sampler) when the library loads."""
     assert (torch.tensor([1e-39]) * 0.5).item() != 0.0
+
+
+def test_damaged_cached_kernel_is_rebuilt(tmp_path):
+    """A cached kernel that is not the file the build wrote (truncated, overwritten) is rebuilt with OpenMP, never
+    loaded: a truncated shared object kills the loading process with SIGBUS. Each load runs in a child process
+    (so a crash fails this test rather than pytest), and the damage is done while no process has the file mapped."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = f"""
+import sys
+sys.path.insert(0, {str(Path(__file__).resolve().parent.parent)!r})
+from pathlib import Path
+from gpu_worker.lora_kernel import LOAD_NOTES, load_sgmv
+d = Path({str(tmp_path)!r})
+print("no-kernel" if load_sgmv(d) is None else "ok " + LOAD_NOTES[d])
+"""
+
+    def load() -> str:
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, (out.returncode, out.stderr[-2000:])
+        return out.stdout.strip()
+
+    if load() == "no-kernel":
+        pytest.skip("no C compiler")
+    so = sorted(tmp_path.glob("lora_sgmv-*-omp.so"))[0]
+    for damage in (lambda: os.truncate(so, so.stat().st_size // 3), lambda: so.write_bytes(b"garbage")):
+        damage()
+        assert load() == "ok", "not rebuilt with OpenMP"  # an empty note: the OpenMP build, not single-threaded
+        assert so.stat().st_size > 1000
+
+
+def test_compiler_command_with_arguments_and_failure_messages(tmp_path, monkeypatch):
+    """$CC may carry arguments (``ccache gcc``); a compiler that fails is named as such, not as missing."""
+    import shutil
+
+    cpu = torch.device("cpu")
+    gcc = shutil.which("gcc") or shutil.which("cc")
+    try:
+        if gcc:
+            monkeypatch.setenv("CC", f"{gcc} -pipe")
+            load_sgmv.cache_clear()
+            assert load_sgmv(tmp_path / "a") is not None
+        monkeypatch.setenv("CC", "/bin/false")
+        load_sgmv.cache_clear()
+        fn, how = choose_backend("auto", torch.float32, cpu, tmp_path / "b")
+        assert fn is None and "/bin/false does not run" in how, how
+        with pytest.raises(RuntimeError, match="/bin/false does not run"):
+            choose_backend("cpu-sgmv", torch.float32, cpu, tmp_path / "b")
+    finally:
+        load_sgmv.cache_clear()
