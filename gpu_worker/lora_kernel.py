@@ -2,10 +2,11 @@
 
 The kernel is plain C compiled with ``-O3 -march=native`` (so the vector ISA is whatever this CPU has) and
 OpenMP (it then shares torch's already-loaded libgomp, so both use one thread pool). The shared object is
-kept in ``$LOOM_CACHE_DIR/kernels/`` under a key of the source, the compiler's version and the CPU's flags;
-TP ranks that build at the same time each write a private file and rename it into place. No compiler, or a
-build or load that fails, only costs the fast path: :func:`load_sgmv` returns None and the pool keeps its
-torch path. ``import torch`` comes first on purpose: torch's libgomp is then loaded, and the kernel binds to it.
+kept in ``$LOOM_CACHE_DIR/kernels/`` under a key of the source, the build flags, the compiler's version and the
+CPU's flags, with its sha256 next to it (a file that does not match is rebuilt, never loaded); TP ranks that build
+at the same time each write a private file and rename it into place. No compiler, or a build or load that fails,
+only costs the fast path: :func:`load_sgmv` returns None (saying why) and the pool keeps its torch path.
+``import torch`` comes first on purpose: torch's libgomp is then loaded, and the kernel binds to it.
 """
 
 from __future__ import annotations
