@@ -443,15 +443,17 @@ static void expand_amx(const uint16_t* ut, int64_t r, const uint16_t* b, int nt,
 }
 #endif
 
-/* Returns 0, or -1 when in_dim is over the kernel's row buffer (the caller then uses its torch path).
- * tok: the LoRA tokens' rows of x/out, grouped by slot; seg: nseg x (slot, p0, p1) into tok. ranks: [slots, nmod] int32 of this layer (0 = slot has no weights there).
- * A: [slots, a_rows, in_dim] (a_rows = max_rank * nmod). B[k]: slot s at B[k] + s * b_slot_stride[k], packed at
- * its rank r = ranks[s][k] as [ceil(out_k[k] / 32), r, 32] (column blocks, zero past out_k[k]). u: [T, u_stride] fp32
- * scratch [len(tok) + TB - 1, u_stride >= a_rows] whose rows past len(tok) are zero. */
+/* Returns 0, or -1 when in_dim is over the kernel's row buffers (the caller then uses its torch path).
+ * tok: the LoRA tokens' rows of x/out, grouped by slot; seg: nseg x (slot, p0, p1), positions into tok.
+ * ranks: [slots, nmod] int32 of this layer (0 = the slot has no weights there).
+ * A: [slots, a_rows, in_dim], row j * nmod + k = rank j of sub-module k (a_rows >= max_rank * nmod; AMX needs whole
+ * 16-row tiles). B[k]: slot s at B[k] + s * b_slot_stride[k], packed at its rank r = ranks[s][k] in column blocks of
+ * 32 (zero past out_k[k]): fp32 [blocks][r][32], bf16 [blocks][ceil(r / 2)][32][2], followed by a zero pad.
+ * u: fp32 scratch [len(tok) + 8][u_stride >= a_rows], module-major rows, rows past len(tok) zero. */
 int loom_lora_sgmv(int64_t in_dim, const void* x, int x_bf16, void* out, int64_t out_stride, int out_bf16,
-                   const int64_t* tok,
-                   int64_t nseg, const int64_t* seg, const void* A, int64_t a_slot_stride, int w_bf16, int64_t nmod,
-                   const int32_t* ranks, const void* const* B, const int64_t* b_slot_stride, const int64_t* out_k, const int64_t* col_k, float* u, int64_t u_stride) {
+                   const int64_t* tok, int64_t nseg, const int64_t* seg, const void* A, int64_t a_slot_stride,
+                   int w_bf16, int64_t nmod, const int32_t* ranks, const void* const* B, const int64_t* b_slot_stride,
+                   const int64_t* out_k, const int64_t* col_k, float* u, int64_t u_stride) {
     if (in_dim > MAXIN) return -1;
     const int64_t esz = w_bf16 ? 2 : 4;
     const int bf16dot = HAVE_BF16_DOT && x_bf16 && w_bf16;
@@ -489,7 +491,7 @@ int loom_lora_sgmv(int64_t in_dim, const void* x, int x_bf16, void* out, int64_t
         } else
 #endif
         {
-        /* shrink: work items = (segment, token block, row block) */
+            /* shrink: work items = (segment, token block, row block) */
             for (int64_t g = 0; g < nseg; g++) {
                 int64_t s = seg[3 * g], p0 = seg[3 * g + 1], p1 = seg[3 * g + 2];
                 int64_t rmax = 0;
