@@ -147,6 +147,14 @@ DEFINE_DOTBF(8)
 #define HAVE_BF16_DOT 0
 #endif
 
+/* the largest rank slot s has in any sub-module of this projection (0: no weights) */
+static inline int64_t seg_rmax(int64_t s, const int32_t* ranks, int64_t nmod) {
+    int64_t rmax = 0;
+    for (int64_t k = 0; k < nmod; k++)
+        if (ranks[s * nmod + k] > rmax) rmax = ranks[s * nmod + k];
+    return rmax;
+}
+
 #if HAVE_BF16_DOT && defined(__AMX_TILE__) && defined(__AMX_BF16__)
 /* Intel AMX (Sapphire Rapids and later): one tdpbf16ps multiplies a 16 x 32 bf16 tile by a 32 x 16 one into 16 x 16
  * fp32, 16x the MACs of a vector instruction. The shrink maps onto it without repacking A: the A operand is 16 rows
@@ -209,13 +217,6 @@ static void load_xv(const void* x, int64_t in_dim, const int64_t* tok, int nt, u
             _mm512_storeu_si512(dst + (12 + c) * TBA, c3);
         }
     }
-}
-
-static inline int64_t seg_rmax(int64_t s, const int32_t* ranks, int64_t nmod) {
-    int64_t rmax = 0;
-    for (int64_t k = 0; k < nmod; k++)
-        if (ranks[s * nmod + k] > rmax) rmax = ranks[s * nmod + k];
-    return rmax;
 }
 
 /* AMX shrink work items of segment g: token blocks x 16-row tiles */
@@ -493,10 +494,7 @@ int loom_lora_sgmv(int64_t in_dim, const void* x, int x_bf16, void* out, int64_t
         {
             /* shrink: work items = (segment, token block, row block) */
             for (int64_t g = 0; g < nseg; g++) {
-                int64_t s = seg[3 * g], p0 = seg[3 * g + 1], p1 = seg[3 * g + 2];
-                int64_t rmax = 0;
-                for (int64_t k = 0; k < nmod; k++)
-                    if (ranks[s * nmod + k] > rmax) rmax = ranks[s * nmod + k];
+                int64_t s = seg[3 * g], p0 = seg[3 * g + 1], p1 = seg[3 * g + 2], rmax = seg_rmax(s, ranks, nmod);
                 if (!rmax) continue;
                 int64_t rows = rmax * nmod, nj = (rows + JB - 1) / JB, ntb = (p1 - p0 + TB - 1) / TB;
                 const char* a = (const char*)A + s * a_slot_stride * esz;
@@ -554,7 +552,7 @@ int loom_lora_sgmv(int64_t in_dim, const void* x, int x_bf16, void* out, int64_t
         } else
 #endif
         {
-        /* expand: work items = (segment, sub-module, token block, column chunk); each owns its out cells */
+            /* expand: work items = (segment, sub-module, token block, column chunk); each owns its out cells */
             for (int64_t g = 0; g < nseg; g++) {
                 int64_t s = seg[3 * g], p0 = seg[3 * g + 1], p1 = seg[3 * g + 2];
                 int64_t ntb = (p1 - p0 + TB - 1) / TB;
