@@ -11,8 +11,14 @@ from gpu_worker.lora_kernel import SgmvLayerArgs, b_capacity, choose_backend, lo
 
 
 @pytest.fixture(scope="module")
-def fn(tmp_path_factory):
-    f = load_sgmv(tmp_path_factory.mktemp("kernels"))
+def kernel_dir(tmp_path_factory):
+    """The cache folder the module's real kernel build went into."""
+    return tmp_path_factory.mktemp("kernels")
+
+
+@pytest.fixture(scope="module")
+def fn(kernel_dir):
+    f = load_sgmv(kernel_dir)
     if f is None:
         pytest.skip("no C compiler on this machine: the torch path serves LoRA (tested in test_lora_pool.py)")
     return f
@@ -133,36 +139,63 @@ def test_loading_the_kernel_keeps_subnormals(fn):
     assert (torch.tensor([1e-39]) * 0.5).item() != 0.0
 
 
-def test_damaged_cached_kernel_is_rebuilt(tmp_path):
+def test_damaged_cached_kernel_is_rebuilt(tmp_path, fn, kernel_dir):
     """A cached kernel that is not the file the build wrote (truncated, overwritten) is rebuilt with OpenMP, never
     loaded: a truncated shared object kills the loading process with SIGBUS. Each load runs in a child process
-    (so a crash fails this test rather than pytest), and the damage is done while no process has the file mapped."""
+    (so a crash fails this test rather than pytest), and the damage is done while no process has the file mapped.
+
+    $CC is a stand-in compiler that logs its arguments and copies the module's real build (``fn``) to its ``-o``
+    path, so every rebuild is seen (and a real 15 s compile is not repeated): an intact cache is loaded without
+    a build, each damaged one is rebuilt exactly once, with -fopenmp, and the rebuilt file is the good kernel."""
     import os
+    import shlex
     import subprocess
     import sys
     from pathlib import Path
 
+    good = sorted(kernel_dir.glob("lora_sgmv-*.so"))[-1]  # the -omp build sorts last when there is one
+    calls = tmp_path / "cc-calls.txt"
+    fake_cc = tmp_path / "fake cc.sh"  # a space in the path: $CC is shlex-split
+    fake_cc.write_text(
+        "#!/bin/sh\n"
+        'if [ "$1" = --version ]; then echo "fake-cc 1.0"; exit 0; fi\n'
+        f'echo "$*" >> {shlex.quote(str(calls))}\n'
+        'out=""; prev=""\n'
+        'for a in "$@"; do [ "$prev" = "-o" ] && out="$a"; prev="$a"; done\n'
+        f'exec cp {shlex.quote(str(good))} "$out"\n'
+    )
+    fake_cc.chmod(0o755)
+    cache = tmp_path / "cache"
     code = f"""
 import sys
 sys.path.insert(0, {str(Path(__file__).resolve().parent.parent)!r})
 from pathlib import Path
 from gpu_worker.lora_kernel import LOAD_NOTES, load_sgmv
-d = Path({str(tmp_path)!r})
-print("no-kernel" if load_sgmv(d) is None else "ok " + LOAD_NOTES[d])
+d = Path({str(cache)!r})
+for _ in range(int(sys.argv[1])):  # each time from the cache folder, as a fresh process would
+    load_sgmv.cache_clear()
+    fn = load_sgmv(d)
+print("no-kernel" if fn is None else "ok " + LOAD_NOTES[d])
 """
+    env = dict(os.environ, CC=shlex.quote(str(fake_cc)))
 
-    def load() -> str:
-        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    def load(times: int = 1) -> str:
+        cmd = [sys.executable, "-c", code, str(times)]
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
         assert out.returncode == 0, (out.returncode, out.stderr[-2000:])
         return out.stdout.strip()
 
-    if load() == "no-kernel":
-        pytest.skip("no C compiler")
-    so = sorted(tmp_path.glob("lora_sgmv-*-omp.so"))[0]
+    def builds() -> list[str]:
+        return calls.read_text().splitlines() if calls.exists() else []
+
+    assert load(times=2) == "ok" and len(builds()) == 1  # the first load builds, the second loads it as is
+    [so] = cache.glob("lora_sgmv-*-omp.so")
     for damage in (lambda: os.truncate(so, so.stat().st_size // 3), lambda: so.write_bytes(b"garbage")):
         damage()
+        n = len(builds())
         assert load() == "ok", "not rebuilt with OpenMP"  # an empty note: the OpenMP build, not single-threaded
-        assert so.stat().st_size > 1000
+        assert len(builds()) == n + 1 and "-fopenmp" in builds()[-1].split(), builds()
+        assert so.read_bytes() == good.read_bytes()
 
 
 def test_compiler_command_with_arguments_and_failure_messages(tmp_path, monkeypatch):
