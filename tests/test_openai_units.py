@@ -341,21 +341,41 @@ _CHAT_400 = [
 ]
 
 
-@pytest.mark.parametrize(("extra", "param", "words"), _CHAT_400)
-def test_chat_400s_name_the_openai_field(model_path, extra: dict, param: str, words: str) -> None:
+@pytest.fixture(scope="module")
+def refusing_doors(model_path):
+    """One front door without and one with --enable-lora, shared by the 400 tests below (building one loads the
+    tokenizer): {enable_lora: (door, what it sent the scheduler)}. Each test checks that its refused request left
+    nothing sent, pending or counted, so a shared door cannot hide a leak; it proves one."""
     from tokenizer_proc.front_door import FrontDoor
+
+    doors = {}
+    for lora in (False, True):
+        sent: list[object] = []
+        doors[lora] = (FrontDoor(make_args(model_path, enable_lora=lora), sent.append), sent)
+    yield doors
+    for door, _ in doors.values():
+        door._tokenizer_thread.shutdown(wait=True)
+
+
+def _assert_nothing_reached_the_scheduler(door, sent: list[object]) -> None:
+    assert not sent  # refused before anything reached the scheduler
+    assert not door.pending and not door.by_client and not door.intake and door.tokenizing == 0
+
+
+@pytest.mark.parametrize(("extra", "param", "words"), _CHAT_400)
+def test_chat_400s_name_the_openai_field(refusing_doors, extra: dict, param: str, words: str) -> None:
     from tokenizer_proc.openai_routes import OpenAIRoutes
 
     async def run() -> None:
-        sent: list[object] = []
         for lora in (False, True):
-            routes = OpenAIRoutes(FrontDoor(make_args(model_path, enable_lora=lora), sent.append))
+            door, sent = refusing_doors[lora]
+            routes = OpenAIRoutes(door)
             status, out = await _call(routes, "/v1/chat/completions", {"model": BASE, "messages": USER, **extra})
             err = out["error"]
             assert status == 400 and err["param"] == param and words in err["message"], (lora, out)
             assert "max_new_tokens" not in err["message"] and "lora_path" not in err["message"]
             assert "sampling_params" not in err["message"]
-        assert not sent  # refused before anything reached the scheduler
+            _assert_nothing_reached_the_scheduler(door, sent)
 
     asyncio.run(run())
 
@@ -376,18 +396,17 @@ _COMPLETION_400 = [
 
 
 @pytest.mark.parametrize(("extra", "param", "words"), _COMPLETION_400)
-def test_completion_400s_name_the_openai_field(model_path, extra: dict, param: str, words: str) -> None:
-    from tokenizer_proc.front_door import FrontDoor
+def test_completion_400s_name_the_openai_field(refusing_doors, extra: dict, param: str, words: str) -> None:
     from tokenizer_proc.openai_routes import OpenAIRoutes
 
     async def run() -> None:
-        sent: list[object] = []
-        routes = OpenAIRoutes(FrontDoor(make_args(model_path), sent.append))
+        door, sent = refusing_doors[False]
+        routes = OpenAIRoutes(door)
         status, out = await _call(routes, "/v1/completions", {"model": BASE, "prompt": "hi", **extra})
         err = out["error"]
         assert status == 400 and err["param"] == param and words in err["message"], out
         assert "max_new_tokens" not in err["message"] and "input_ids" not in err["message"]
-        assert not sent
+        _assert_nothing_reached_the_scheduler(door, sent)
 
     asyncio.run(run())
 

@@ -245,18 +245,26 @@ def test_quantized_weights_take_under_half_the_memory_of_bf16(model_path):
 
     root = str(Path(__file__).resolve().parent.parent)
 
-    def probe(mode: str) -> float:
-        out = subprocess.run(
+    # the three probes run at once: each measures only its own process's resident memory
+    probes = [
+        subprocess.Popen(
             [sys.executable, "-c", _RSS_PROBE, str(model_path), mode],
-            capture_output=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
             text=True,
             cwd=root,
-            check=True,
-            timeout=300,
         )
-        return float(json.loads(out.stdout.strip().splitlines()[-1]))
-
-    bf16, gguf, int8 = probe("none"), probe("gguf"), probe("int8")
+        for mode in ("none", "gguf", "int8")
+    ]
+    try:
+        outs = [p.communicate(timeout=300) for p in probes]
+    finally:
+        for p in probes:
+            p.kill()
+            p.wait()
+    for p, (_, err) in zip(probes, outs, strict=True):
+        assert p.returncode == 0, err[-2000:]
+    bf16, gguf, int8 = (float(json.loads(out.strip().splitlines()[-1])) for out, _ in outs)
     print(
         f"\nweights' RSS: bf16 {bf16:.0f} MB, gguf {gguf:.0f} MB ({gguf / bf16:.2f}), int8 {int8:.0f} MB "
         f"({int8 / bf16:.2f})"
