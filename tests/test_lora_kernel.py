@@ -118,8 +118,11 @@ def test_no_compiler_means_torch_path(tmp_path, monkeypatch):
         load_sgmv.cache_clear()
 
 
-def test_backend_choice(fn, tmp_path):
+def test_backend_choice(fn, kernel_dir, tmp_path):
     """auto measures once and keeps the answer; torch is always honoured; the kernel's limits hold."""
+    import shutil
+
+    shutil.copytree(kernel_dir, tmp_path / "kernels")  # the module's build, found intact: no second compile
     cpu = torch.device("cpu")
     assert choose_backend("torch", torch.float32, cpu, tmp_path) == (None, "--lora-backend torch")
     first = choose_backend("auto", torch.bfloat16, cpu, tmp_path)
