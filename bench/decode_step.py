@@ -51,6 +51,12 @@ def main() -> None:
         choices=["on", "off", "ab"],
         help="decode KV mirror (gpu_worker/decode_mirror.py): on, off, or ab = blocks of 5 steps in turns",
     )
+    p.add_argument(
+        "--int4-ab",
+        action="store_true",
+        help="with --quantization gguf: blocks of 5 steps in turns with the batched AMX 4-bit kernel as chosen at "
+        "start-up and with PyTorch's 4-bit kernel only (gpu_worker/int4_amx.py)",
+    )
     a = p.parse_args()
     import msgspec
     import torch
@@ -120,6 +126,12 @@ def main() -> None:
         ]
         w.forward_logits(ForwardBatch(k + 1, reqs))
 
+    import gpu_worker.quant as quant
+
+    chosen = quant.BATCH_KERNEL
+    if a.int4_ab:
+        print(f"batched 4-bit kernel chosen at start-up: {chosen}")
+    by_int4: dict[str, list[float]] = {"amx": [], "torch": []}
     mirror = w.decode_mirror
     if a.mirror == "off":
         w.decode_mirror = None
@@ -136,9 +148,14 @@ def main() -> None:
         if a.mirror == "ab":  # the first step of an "on" block refills the mirror: not counted
             on = (k - 1) // 5 % 2 == 0
             w.decode_mirror = mirror if on else None
+        if a.int4_ab:
+            kern = "amx" if (k - 1) // 5 % 2 == 0 else "torch"
+            quant.BATCH_KERNEL = chosen if kern == "amx" else None
         t = time.perf_counter()
         step(k)
         times.append(time.perf_counter() - t)
+        if a.int4_ab and (k - 1) % 5:
+            by_int4[kern].append(times[-1])
         if a.mirror == "ab" and (k - 1) % 5:
             by_mode["on" if on else "off"].append(times[-1])
         if a.lora_ab and (k - 1) % 5:
@@ -151,6 +168,10 @@ def main() -> None:
             + " per step; LoRA/base throughput: "
             + " ".join(f"{m} {ms['base'] / ms[m]:.2f}" for m in modes[:2] if m in ms and "base" in ms)
         )
+    if a.int4_ab:
+        amx_ms, torch_ms = (statistics.median(by_int4[m]) * 1e3 for m in ("amx", "torch"))
+        speedup = torch_ms / amx_ms
+        print(f"4-bit batches: AMX kernel {amx_ms:.1f} ms, torch only {torch_ms:.1f} ms per step: {speedup:.2f}x")
     if a.mirror == "ab":
         on_ms, off_ms = (statistics.median(by_mode[m]) * 1e3 for m in ("on", "off"))
         print(f"decode KV mirror on {on_ms:.1f} ms, off {off_ms:.1f} ms per step: off/on {off_ms / on_ms:.2f}")

@@ -1,34 +1,25 @@
-"""The CPU segmented-LoRA kernel (``csrc/lora_sgmv.c``): built once per machine with the system C compiler.
+"""The CPU segmented-LoRA kernel (``csrc/lora_sgmv.c``), built once per machine by :mod:`gpu_worker.native_build`.
 
-The kernel is plain C compiled with ``-O3 -march=native`` (so the vector ISA is whatever this CPU has) and
-OpenMP (it then shares torch's already-loaded libgomp, so both use one thread pool). The shared object is
-kept in ``$LOOM_CACHE_DIR/kernels/`` under a key of the source, the build flags, the compiler's version and the
-CPU's flags, with its sha256 next to it (a file that does not match is rebuilt, never loaded); TP ranks that build
-at the same time each write a private file and rename it into place. No compiler, or a build or load that fails,
-only costs the fast path: :func:`load_sgmv` returns None (saying why) and the pool keeps its torch path.
-``import torch`` comes first on purpose: torch's libgomp is then loaded, and the kernel binds to it.
+No compiler, or a build or load that fails, only costs the fast path: :func:`load_sgmv` returns None (saying why)
+and the pool keeps its torch path.
 """
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import hashlib
 import logging
-import os
-import platform
-import shlex
-import shutil
-import subprocess
 from functools import cache
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from gpu_worker.native_build import CSRC, load_library
+
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).resolve().parent / "csrc" / "lora_sgmv.c"
+SOURCE = CSRC / "lora_sgmv.c"
 MAX_IN_DIM = 4096  # the kernel's per-thread row buffers; wider inputs use the torch path
 BLOCK_COLS = 32  # output columns per block of an expand buffer (one 64-byte line of bf16 per rank)
 TILE_PAD = 16 * 2 * BLOCK_COLS  # elements after a slot's expand weights that AMX's 16-row tiles may read (zeros)
@@ -100,63 +91,8 @@ _ARGTYPES = [
 ]
 
 
-def _cpu_flags() -> str:
-    with contextlib.suppress(OSError):
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return line
-    return platform.processor()
-
-
-def _compiler() -> list[str] | None:
-    """The C compiler command: ``$CC`` (split like a shell would, e.g. ``ccache gcc``), else cc, gcc or clang."""
-    if os.environ.get("CC"):
-        return shlex.split(os.environ["CC"])
-    found = shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
-    return [found] if found else None
-
-
-# never -ffast-math: linking a shared object with it sets flush-to-zero for the whole process (crtfastmath.o), which
-# silently changes torch's and the sampler's numerics; -ffp-contract=fast lets the compiler use FMA
-CFLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fno-math-errno", "-fPIC", "-shared", "-std=gnu11"]
-
 # why the last load_sgmv(cache_dir) has no kernel, or runs it single-threaded ("" = built with OpenMP)
 LOAD_NOTES: dict[Path, str] = {}
-
-
-def _build(cc: list[str], out: Path, openmp: bool) -> None:
-    """Compile into a private file, record its sha256 next to it, and rename both into place."""
-    flags = CFLAGS + (["-fopenmp"] if openmp else [])
-    tmp = out.with_name(f"{out.name}.tmp{os.getpid()}")
-    try:
-        subprocess.run([*cc, *flags, str(SOURCE), "-o", str(tmp)], check=True, capture_output=True, timeout=120)
-        digest = out.with_name(f"{out.name}.sha256.tmp{os.getpid()}")
-        digest.write_text(hashlib.sha256(tmp.read_bytes()).hexdigest())
-        os.replace(tmp, out)
-        os.replace(digest, _digest_path(out))
-    finally:
-        for f in (tmp, out.with_name(f"{out.name}.sha256.tmp{os.getpid()}")):
-            with contextlib.suppress(OSError):
-                f.unlink()
-
-
-def _digest_path(so: Path) -> Path:
-    return so.with_name(f"{so.name}.sha256")
-
-
-def _intact(so: Path) -> bool:
-    """Whether ``so`` is the file a build wrote (its recorded sha256): loading a truncated shared object does not
-    raise, it kills the process with SIGBUS."""
-    try:
-        return hashlib.sha256(so.read_bytes()).hexdigest() == _digest_path(so).read_text().strip()
-    except OSError:
-        return False
-
-
-def _failure(e: BaseException) -> str:
-    err = (getattr(e, "stderr", b"") or b"").decode(errors="replace").strip()
-    return f"{e}{': ' + err[-300:] if err else ''}"
 
 
 @cache
@@ -167,41 +103,17 @@ def load_sgmv(cache_dir: Path) -> ctypes._CFuncPtr | None:  # type: ignore[name-
     then a single-threaded one. Returns None when there is no C compiler or neither builds and loads; the
     reason (or the single-threaded fallback's) is logged as a warning and kept in ``LOAD_NOTES[cache_dir]``.
     """
-    cc = _compiler()
-    if cc is None:
-        LOAD_NOTES[cache_dir] = "no C compiler found ($CC, cc, gcc or clang)"
-        log.warning("LoRA kernel: %s", LOAD_NOTES[cache_dir])
+    lib, note = load_library(SOURCE, cache_dir)
+    LOAD_NOTES[cache_dir] = note
+    if lib is None:
+        log.warning("LoRA kernel unavailable: %s", note)
         return None
-    try:
-        version = subprocess.run([*cc, "--version"], capture_output=True, text=True, timeout=30, check=True).stdout
-    except (OSError, subprocess.SubprocessError) as e:
-        LOAD_NOTES[cache_dir] = f"the C compiler {' '.join(cc)} does not run ({_failure(e)})"
-        log.warning("LoRA kernel: %s", LOAD_NOTES[cache_dir])
-        return None
-    key = hashlib.sha256(
-        SOURCE.read_bytes() + " ".join(CFLAGS).encode() + version.encode() + _cpu_flags().encode()
-        + platform.machine().encode()
-    ).hexdigest()[:16]  # fmt: skip
-    failures = []
-    for openmp in (True, False):
-        path = cache_dir / f"lora_sgmv-{key}{'-omp' if openmp else ''}.so"
-        try:
-            if not _intact(path):
-                cache_dir.mkdir(parents=True, exist_ok=True)
-                _build(cc, path, openmp)
-            fn = ctypes.CDLL(str(path)).loom_lora_sgmv
-        except (OSError, subprocess.SubprocessError) as e:
-            failures.append(f"{'OpenMP' if openmp else 'single-threaded'} build/load in {cache_dir}: {_failure(e)}")
-            continue
-        fn.argtypes = _ARGTYPES
-        fn.restype = ctypes.c_int
-        LOAD_NOTES[cache_dir] = "" if openmp else f"single-threaded ({failures[0]})"
-        if failures:
-            log.warning("LoRA kernel runs single-threaded: %s", failures[0])
-        return fn
-    LOAD_NOTES[cache_dir] = "; ".join(failures)
-    log.warning("LoRA kernel unavailable: %s", LOAD_NOTES[cache_dir])
-    return None
+    if note:
+        log.warning("LoRA kernel runs %s", note)
+    fn = lib.loom_lora_sgmv
+    fn.argtypes = _ARGTYPES
+    fn.restype = ctypes.c_int
+    return fn
 
 
 class SgmvLayerArgs:

@@ -21,12 +21,21 @@ slower than AMX bf16 GEMM (see ``bench/quant_kernels.py``).
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
+if TYPE_CHECKING:
+    from gpu_worker.int4_amx import BatchKernel
+
 GROUP = 32  # GGUF block size and the int4 kernel's group size
 _KERNEL_DTYPE = torch.bfloat16
+_AMX_X = (torch.float32, torch.bfloat16)
+
+# the batched AMX kernel (gpu_worker.int4_amx.BatchKernel) Int4Linear.mm uses from its min_rows up; None = PyTorch's
+# kernel for every batch. Set once per process by the worker (gpu_worker.int4_amx.choose_batch_kernel).
+BATCH_KERNEL: BatchKernel | None = None
 
 
 class QuantizationError(ValueError):
@@ -100,7 +109,21 @@ class Int4Linear:
         return part
 
     def mm(self, x: torch.Tensor) -> torch.Tensor:
-        """``x [M, K]`` (any float dtype) -> ``[M, N]`` in ``x.dtype``."""
+        """``x [M, K]`` (any float dtype) -> ``[M, N]`` in ``x.dtype``.
+
+        From :data:`BATCH_KERNEL`'s ``min_rows`` rows up (and a row count the packed layout allows), the AMX
+        kernel of :mod:`gpu_worker.int4_amx` computes it; otherwise PyTorch's 4-bit kernel (:meth:`mm_torch`).
+        """
+        bk = BATCH_KERNEL
+        if bk is not None and x.shape[0] >= bk.min_rows and self.packed.shape[0] % 64 == 0 and x.dtype in _AMX_X:
+            from gpu_worker.int4_amx import amx_mm
+
+            xk = torch.cat([x, x], dim=-1) if self.dup_input else x
+            return amx_mm(bk.fn, xk, self.packed, self.scales_zeros, self.out_features)
+        return self.mm_torch(x)
+
+    def mm_torch(self, x: torch.Tensor) -> torch.Tensor:
+        """:meth:`mm` on PyTorch's 4-bit kernel, whatever the batch size."""
         xk = x if x.dtype == _KERNEL_DTYPE else x.to(_KERNEL_DTYPE)
         if self.dup_input:
             xk = torch.cat([xk, xk], dim=-1)

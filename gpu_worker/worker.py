@@ -99,6 +99,7 @@ class Worker:
         weights = load_shard(args.model_path, self.cfg, self.plan, self.dtype, self.device, self.quantization)
         self.model = LlamaShard(self.cfg, self.plan, weights, group)  # takes its vocabulary rows of the head
         self.packed_linears = self._pack_linears(weights)
+        self._choose_int4_batch_kernel(group)
         release_freed_memory()
         self.context_len = args.context_length or self.cfg.max_position_embeddings
         cap = kv_capacity_tokens(args, self.cfg, self.plan.num_kv_heads, self.dtype, self.device)
@@ -147,6 +148,17 @@ class Worker:
             pack_linears(weights)
         log.info("rank %d: packed bf16/fp16 linear weights %s", self.rank, how)
         return pays
+
+    def _choose_int4_batch_kernel(self, group: object | None) -> None:
+        """With 4-bit weights (``gguf``), set the batch size from which they multiply on the AMX kernel
+        (``gpu_worker.int4_amx``; measured once per machine, the same on every TP rank); logs the choice."""
+        if self.quantization != "gguf":
+            return
+        from gpu_worker import quant
+        from gpu_worker.int4_amx import choose_batch_kernel
+
+        quant.BATCH_KERNEL, how = choose_batch_kernel(cache_root(), group)
+        log.info("rank %d: %s", self.rank, how)
 
     def _choose_quantization(self, group: object | None) -> str:
         """``--quantization`` with ``auto`` resolved: ``gguf`` for a GGUF model on CPU (launch.py has checked that

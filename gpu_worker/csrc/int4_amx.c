@@ -1,0 +1,185 @@
+/* out[M, N] = x[M, K] @ W^T for PyTorch's CPU 4-bit weight layout (the one _convert_weight_to_int4pack_for_cpu
+ * writes and _weight_int4pack_mm_for_cpu reads), on Intel AMX, for batches of rows.
+ *
+ * Layout read (N_pad a multiple of 64, K of 32, groups of 32 along K):
+ *   packed [N_pad / 64][K][32] bytes: byte j of (block nb, input k) holds q[nb*64 + j][k] in its low nibble and
+ *       q[nb*64 + 32 + j][k] in its high nibble;
+ *   sz [K / 32][N_pad][2] bf16: (scale, zero) per group and row, w = (q - 8) * scale + zero.
+ *
+ * Why: PyTorch's kernel dequantises every weight for every 4 rows of x and multiplies with vector FMAs, so its cost
+ * grows with the batch (at 32 rows it is 2x slower than a bf16 GEMM here). This kernel dequantises each 64-row block
+ * of W once per call into bf16 tiles in the "VNNI" pair layout, the fp32 weight split in two bf16 parts (hi = the
+ * weight rounded to bf16, lo = the rest, so hi + lo keeps 16 bits: the products are as exact as PyTorch's fp32
+ * dequantisation, not rounded like a bf16 weight), then multiplies 16 rows of x at a time with tdpbf16ps
+ * (16 x 16 x 32 MACs per instruction) against both parts, accumulating in fp32 over all of K. At one row PyTorch's kernel stays faster, so the caller picks by
+ * batch size. Threads: OpenMP over the 64-row blocks of W (torch's libgomp, one pool).
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#define HAVE_AMX 1
+
+typedef struct {
+    uint8_t palette_id, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} __attribute__((packed)) tilecfg_t;
+
+static int amx_state; /* 0: not asked yet, 1: granted, -1: refused */
+
+static int amx_enable(void) { /* Linux hands out AMX state only on request */
+    if (amx_state == 0) amx_state = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) ? -1 : 1;
+    return amx_state == 1;
+}
+
+/* tiles 0-3: C, 16 rows of x by 16 outputs (fp32); tile 4: 16 rows of x by 32 inputs (bf16); tile 5: 16 input
+ * pairs by 16 outputs (bf16 pairs) */
+static void amx_config(void) {
+    tilecfg_t c;
+    memset(&c, 0, sizeof c);
+    c.palette_id = 1;
+    for (int i = 0; i < 6; i++) c.colsb[i] = 64, c.rows[i] = 16;
+    _tile_loadconfig(&c);
+}
+
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40); /* quiet NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);                                           /* round to nearest even */
+    return (uint16_t)(u >> 16);
+}
+
+/* Dequantise the 64-row block nb of W over all K into bt [G][8][16 pairs][16 rows][2] bf16: for each group, the
+ * B tiles (pairs of inputs 2p, 2p + 1 side by side per output row) of the four 16-row quarters, first the weight
+ * rounded to bf16 (hi), then what that rounding left (lo = bf16(w - hi)); hi + lo holds w to 16 bits. */
+static void build_b(const uint8_t* packed, const uint16_t* sz, int64_t nb, int64_t K, int64_t N_pad, uint16_t* bt) {
+    const int64_t G = K / 32;
+    const __m512 lut = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7); /* q - 8, exact */
+    const __m512i lo4 = _mm512_set1_epi32(15);
+    /* word i of the output row: i even -> input 2p (first source), i odd -> 2p + 1 (second), row i / 2 */
+    static const uint16_t inter_idx[32] = {0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,  21, 6,  22, 7,  23,
+                                           8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+    const __m512i inter = _mm512_loadu_si512(inter_idx);
+    for (int64_t g = 0; g < G; g++) {
+        __m512 sc[4], zr[4];
+        for (int s = 0; s < 4; s++) { /* rows nb*64 + 16s .. + 16: (scale, zero) bf16 pairs -> two fp32 vectors */
+            __m512i v = _mm512_loadu_si512(sz + ((g * N_pad) + nb * 64 + 16 * s) * 2);
+            sc[s] = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+            zr[s] = _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32((int)0xFFFF0000u)));
+        }
+        for (int p = 0; p < 16; p++) {
+            __m512 w[2][4]; /* [input 2p or 2p + 1][quarter] */
+            for (int h = 0; h < 2; h++) {
+                const uint8_t* src = packed + (nb * K + g * 32 + 2 * p + h) * 32;
+                __m512i b0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)src));        /* rows j = 0..15 */
+                __m512i b1 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(src + 16))); /* rows 16..31 */
+                __m512i q[4] = {_mm512_and_si512(b0, lo4), _mm512_and_si512(b1, lo4), _mm512_srli_epi32(b0, 4),
+                                _mm512_srli_epi32(b1, 4)};
+                for (int s = 0; s < 4; s++) w[h][s] = _mm512_fmadd_ps(_mm512_permutexvar_ps(q[s], lut), sc[s], zr[s]);
+            }
+            for (int s = 0; s < 4; s++) {
+                __m512i hi = (__m512i)_mm512_cvtne2ps_pbh(w[1][s], w[0][s]); /* words 0..15: input 2p, 16..31: 2p+1 */
+                __m512 h0 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(hi)), 16));
+                __m512 h1 = _mm512_castsi512_ps(
+                    _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(hi, 1)), 16));
+                __m512i lo = (__m512i)_mm512_cvtne2ps_pbh(_mm512_sub_ps(w[1][s], h1), _mm512_sub_ps(w[0][s], h0));
+                _mm512_storeu_si512(bt + ((g * 8 + s) * 16 + p) * 32, _mm512_permutexvar_epi16(inter, hi));
+                _mm512_storeu_si512(bt + ((g * 8 + 4 + s) * 16 + p) * 32, _mm512_permutexvar_epi16(inter, lo));
+            }
+        }
+    }
+}
+#else
+#define HAVE_AMX 0
+#endif
+
+/* Entry point. x [M, K] (row stride x_stride elements; bf16 if x_bf16 else fp32), out [M, n_out] (row stride
+ * out_stride; bf16 if out_bf16 else fp32), n_out <= N_pad. Returns 0 = done, 1 = bad arguments (N_pad not a
+ * multiple of 64, K not of 32), 2 = out of memory, 3 = no AMX (not built in, or the OS refused it). */
+int loom_int4_amx(int64_t M, int64_t N_pad, int64_t K, const void* x, int64_t x_stride, int x_bf16, void* out,
+                  int64_t out_stride, int out_bf16, int64_t n_out, const uint8_t* packed, const uint16_t* sz) {
+#if HAVE_AMX
+    if (N_pad % 64 || K % 32 || K <= 0 || M < 0 || n_out > N_pad) return 1;
+    if (M == 0 || n_out == 0) return 0;
+    if (!amx_enable()) return 3;
+    const int64_t Mp = (M + 15) / 16 * 16, G = K / 32;
+    uint16_t* xb = aligned_alloc(64, (size_t)(Mp * K * 2)); /* x as bf16, rows past M zero */
+    if (!xb) return 2;
+    for (int64_t i = 0; i < M; i++)
+        for (int64_t k = 0; k < K; k++)
+            xb[i * K + k] = x_bf16 ? ((const uint16_t*)x)[i * x_stride + k] : f32_to_bf16(((const float*)x)[i * x_stride + k]);
+    memset(xb + M * K, 0, (size_t)((Mp - M) * K * 2));
+    int failed = 0;
+#pragma omp parallel
+    {
+        uint16_t* bt = aligned_alloc(64, (size_t)(G * 8 * 512 * 2));
+        float* cb = aligned_alloc(64, 16 * 64 * sizeof(float));
+        if (bt && cb) amx_config();
+        /* every thread reaches the worksharing loop, also one whose buffers failed */
+#pragma omp for schedule(static)
+            for (int64_t nb = 0; nb < N_pad / 64; nb++) {
+                if (!bt || !cb) {
+#pragma omp atomic write
+                    failed = 1;
+                    continue;
+                }
+                if (nb * 64 >= n_out) continue;
+                build_b(packed, sz, nb, K, N_pad, bt);
+                for (int64_t m0 = 0; m0 < Mp; m0 += 16) {
+                    _tile_zero(0);
+                    _tile_zero(1);
+                    _tile_zero(2);
+                    _tile_zero(3);
+                    for (int64_t g = 0; g < G; g++) { /* C_s += x . hi_s + x . lo_s */
+                        const uint16_t* b = bt + g * 8 * 512;
+                        _tile_loadd(4, xb + m0 * K + g * 32, K * 2);
+                        _tile_loadd(5, b, 64);
+                        _tile_dpbf16ps(0, 4, 5);
+                        _tile_loadd(5, b + 512, 64);
+                        _tile_dpbf16ps(1, 4, 5);
+                        _tile_loadd(5, b + 1024, 64);
+                        _tile_dpbf16ps(2, 4, 5);
+                        _tile_loadd(5, b + 1536, 64);
+                        _tile_dpbf16ps(3, 4, 5);
+                        _tile_loadd(5, b + 2048, 64);
+                        _tile_dpbf16ps(0, 4, 5);
+                        _tile_loadd(5, b + 2560, 64);
+                        _tile_dpbf16ps(1, 4, 5);
+                        _tile_loadd(5, b + 3072, 64);
+                        _tile_dpbf16ps(2, 4, 5);
+                        _tile_loadd(5, b + 3584, 64);
+                        _tile_dpbf16ps(3, 4, 5);
+                    }
+                    _tile_stored(0, cb, 256);
+                    _tile_stored(1, cb + 16, 256);
+                    _tile_stored(2, cb + 32, 256);
+                    _tile_stored(3, cb + 48, 256);
+                    int64_t rows = M - m0 < 16 ? M - m0 : 16, cols = n_out - nb * 64 < 64 ? n_out - nb * 64 : 64;
+                    for (int64_t r = 0; r < rows; r++)
+                        for (int64_t c = 0; c < cols; c++) {
+                            float v = cb[r * 64 + c];
+                            if (out_bf16)
+                                ((uint16_t*)out)[(m0 + r) * out_stride + nb * 64 + c] = f32_to_bf16(v);
+                            else
+                                ((float*)out)[(m0 + r) * out_stride + nb * 64 + c] = v;
+                        }
+                }
+            }
+        if (bt && cb) _tile_release();
+        free(bt);
+        free(cb);
+    }
+    free(xb);
+    return failed ? 2 : 0;
+#else
+    (void)M, (void)N_pad, (void)K, (void)x, (void)x_stride, (void)x_bf16, (void)out, (void)out_stride, (void)out_bf16;
+    (void)n_out, (void)packed, (void)sz;
+    return 3;
+#endif
+}

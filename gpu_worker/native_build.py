@@ -1,0 +1,115 @@
+"""Build and load Loom's C kernels (``gpu_worker/csrc/*.c``) with the system C compiler, once per machine.
+
+A kernel is plain C compiled with ``-O3 -march=native`` (so the vector ISA is whatever this CPU has) and OpenMP
+(it then shares torch's already-loaded libgomp, so both use one thread pool). The shared object is kept in
+``$LOOM_CACHE_DIR/kernels/`` under a key of the source, the build flags, the compiler's version and the CPU's
+flags, with its sha256 next to it (a file that does not match is rebuilt, never loaded); TP ranks that build at
+the same time each write a private file and rename it into place. No compiler, or a build or load that fails,
+only costs the fast path: :func:`load_library` returns None and says why. ``import torch`` must come first in the
+process: torch's libgomp is then loaded, and the kernel binds to it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import hashlib
+import os
+import platform
+import shlex
+import shutil
+import subprocess
+from pathlib import Path
+
+import torch  # noqa: F401  (loaded first on purpose: the kernels bind to torch's libgomp)
+
+CSRC = Path(__file__).resolve().parent / "csrc"
+
+# never -ffast-math: linking a shared object with it sets flush-to-zero for the whole process (crtfastmath.o), which
+# silently changes torch's and the sampler's numerics; -ffp-contract=fast lets the compiler use FMA
+CFLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fno-math-errno", "-fPIC", "-shared", "-std=gnu11"]
+
+
+def cpu_flags() -> str:
+    """The ``flags`` line of ``/proc/cpuinfo`` (the processor name where there is none)."""
+    with contextlib.suppress(OSError):
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return line
+    return platform.processor()
+
+
+def compiler() -> list[str] | None:
+    """The C compiler command: ``$CC`` (split like a shell would, e.g. ``ccache gcc``), else cc, gcc or clang."""
+    if os.environ.get("CC"):
+        return shlex.split(os.environ["CC"])
+    found = shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    return [found] if found else None
+
+
+def _digest_path(so: Path) -> Path:
+    return so.with_name(f"{so.name}.sha256")
+
+
+def _build(cc: list[str], source: Path, out: Path, openmp: bool) -> None:
+    """Compile into a private file, record its sha256 next to it, and rename both into place."""
+    flags = CFLAGS + (["-fopenmp"] if openmp else [])
+    tmp = out.with_name(f"{out.name}.tmp{os.getpid()}")
+    digest = out.with_name(f"{out.name}.sha256.tmp{os.getpid()}")
+    try:
+        subprocess.run([*cc, *flags, str(source), "-o", str(tmp)], check=True, capture_output=True, timeout=120)
+        digest.write_text(hashlib.sha256(tmp.read_bytes()).hexdigest())
+        os.replace(tmp, out)
+        os.replace(digest, _digest_path(out))
+    finally:
+        for f in (tmp, digest):
+            with contextlib.suppress(OSError):
+                f.unlink()
+
+
+def _intact(so: Path) -> bool:
+    """Whether ``so`` is the file a build wrote (its recorded sha256): loading a truncated shared object does not
+    raise, it kills the process with SIGBUS."""
+    try:
+        return hashlib.sha256(so.read_bytes()).hexdigest() == _digest_path(so).read_text().strip()
+    except OSError:
+        return False
+
+
+def _failure(e: BaseException) -> str:
+    err = (getattr(e, "stderr", b"") or b"").decode(errors="replace").strip()
+    return f"{e}{': ' + err[-300:] if err else ''}"
+
+
+def load_library(source: Path, cache_dir: Path) -> tuple[ctypes.CDLL | None, str]:
+    """``source`` built into ``cache_dir`` (or its intact cached build) and loaded: ``(library, note)``.
+
+    Tries an OpenMP build, then a single-threaded one. ``note`` is "" for an OpenMP build, says why the build is
+    single-threaded, or, with a None library, why there is none (no compiler, a compiler that fails, an unusable
+    cache folder).
+    """
+    cc = compiler()
+    if cc is None:
+        return None, "no C compiler found ($CC, cc, gcc or clang)"
+    try:
+        version = subprocess.run([*cc, "--version"], capture_output=True, text=True, timeout=30, check=True).stdout
+    except (OSError, subprocess.SubprocessError) as e:
+        return None, f"the C compiler {' '.join(cc)} does not run ({_failure(e)})"
+    key = hashlib.sha256(
+        source.read_bytes() + " ".join(CFLAGS).encode() + version.encode() + cpu_flags().encode()
+        + platform.machine().encode()
+    ).hexdigest()[:16]  # fmt: skip
+    failures = []
+    for openmp in (True, False):
+        path = cache_dir / f"{source.stem}-{key}{'-omp' if openmp else ''}.so"
+        try:
+            if not _intact(path):
+                cache_dir.mkdir(parents=True, exist_ok=True)
+                _build(cc, source, path, openmp)
+            lib = ctypes.CDLL(str(path))
+        except (OSError, subprocess.SubprocessError) as e:
+            failures.append(f"{'OpenMP' if openmp else 'single-threaded'} build/load in {cache_dir}: {_failure(e)}")
+            continue
+        return lib, "" if openmp else f"single-threaded ({failures[0]})"
+    return None, "; ".join(failures)

@@ -1,0 +1,106 @@
+"""The batched AMX 4-bit kernel (gpu_worker/int4_amx.py, csrc/int4_amx.c) against float64 products with the weight
+dequantised in fp32 (as PyTorch's 4-bit kernel means it), its dispatch inside Int4Linear, and its start-up choice.
+Skipped where the CPU has no AMX (the reason is printed); Int4Linear then keeps PyTorch's kernel."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import gpu_worker.quant as quant
+from gpu_worker.int4_amx import LOAD_NOTES, BatchKernel, amx_mm, choose_batch_kernel, load_int4_amx
+from gpu_worker.quant import Int4Linear, int4_from_affine, int4_from_q8
+
+
+@pytest.fixture(scope="module")
+def fn(tmp_path_factory):
+    d = tmp_path_factory.mktemp("kernels")
+    f = load_int4_amx(d)
+    if f is None:
+        pytest.skip(f"no AMX 4-bit kernel here: {LOAD_NOTES[d]}")
+    return f
+
+
+def _weight(n: int, k: int, seed: int) -> tuple[Int4Linear, torch.Tensor]:
+    """A random Int4Linear and its weight ``[n, k]`` as both kernels mean it: ``(q - 8) * scale + zero`` in fp32 from
+    the bf16 scales and zeros."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 16, (n, k), generator=g)
+    lin = int4_from_affine(q, torch.rand(n, k // 32, generator=g) * 0.05, torch.randn(n, k // 32, generator=g) * 0.05)
+    sz = lin.scales_zeros.float()[:, :n]  # [G, n, 2]
+    w = (q.float() - 8) * sz[:, :, 0].T.repeat_interleave(32, 1) + sz[:, :, 1].T.repeat_interleave(32, 1)
+    return lin, w.double()
+
+
+@pytest.mark.parametrize(("n", "k"), [(64, 32), (128, 96), (960, 576), (200, 64)])  # 200: 208 packed rows
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 40])
+def test_products_equal_the_fp32_dequantised_weight(fn, n, k, rows):
+    lin, w = _weight(n, k, seed=n + k + rows)
+    if lin.packed.shape[0] % 64:
+        with pytest.raises(ValueError, match="int4 AMX kernel"):
+            amx_mm(fn, torch.zeros(rows, k), lin.packed, lin.scales_zeros, n)
+        return
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, k, generator=g)
+    want = x.to(torch.bfloat16).double() @ w.T
+    got = amx_mm(fn, x, lin.packed, lin.scales_zeros, n)  # fp32 in and out
+    assert got.dtype == torch.float32 and got.shape == (rows, n)
+    # the weight enters as two bf16 parts (16 bits of it) and sums in fp32: a weight rounded to bf16 once would be
+    # off by ~2e-3 of the largest output, so this bound also shows the low part is there
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=2e-5 * float(want.abs().max()))
+    got16 = amx_mm(fn, x.to(torch.bfloat16), lin.packed, lin.scales_zeros, n)  # bf16 out: its rounding only
+    assert got16.dtype == torch.bfloat16
+    torch.testing.assert_close(got16.double(), want, rtol=8e-3, atol=1e-3 * float(want.abs().max()))
+    # a strided x (a column slice of a wider tensor) reads the same values
+    wide = torch.cat([x, torch.randn(rows, 7, generator=g)], dim=1)[:, :k]
+    assert torch.equal(amx_mm(fn, wide, lin.packed, lin.scales_zeros, n), got)
+
+
+def test_int4linear_takes_the_kernel_from_min_rows(fn, monkeypatch):
+    lin, w = _weight(192, 128, seed=3)
+    calls = []
+
+    def counted(*args):
+        calls.append(args[0])  # the row count
+        return fn(*args)
+
+    monkeypatch.setattr(quant, "BATCH_KERNEL", BatchKernel(counted, 4))
+    g = torch.Generator().manual_seed(0)
+    for rows in (1, 3):
+        x = torch.randn(rows, 128, generator=g).to(torch.bfloat16)
+        assert torch.equal(lin.mm(x), lin.mm_torch(x))  # below the threshold: PyTorch's kernel, bit for bit
+    assert calls == []
+    x = torch.randn(6, 128, generator=g).to(torch.bfloat16)
+    assert torch.equal(lin.mm(x), amx_mm(fn, x, lin.packed, lin.scales_zeros, 192)) and calls == [6]
+    torch.testing.assert_close(lin.mm(x), lin.mm_torch(x), rtol=8e-3, atol=1e-2)  # both mean the same weight
+    # a row share cut at a multiple of 64 (the vocab-parallel head) equals those rows of the whole product
+    part = lin.out_rows(64, 192)
+    assert torch.equal(part.mm(x), lin.mm(x)[:, 64:])
+    # the Q8_0 head (two 4-bit halves, input fed twice, bf16-exact scales) through the kernel: exact weights
+    gq = torch.Generator().manual_seed(5)
+    q8 = torch.randint(-128, 128, (128, 64), generator=gq).to(torch.int8)
+    d = (torch.rand(128, 2, generator=gq) * 0.01 + 1e-4).to(torch.bfloat16).float()
+    head = int4_from_q8(q8, d)
+    xh = torch.randn(8, 64, generator=gq)
+    dense = (q8.float().view(128, 2, 32) * d[:, :, None]).view(128, 64)
+    exact = xh.to(torch.bfloat16).double() @ dense.double().T
+    got = head.mm(xh).double()
+    assert (got - exact).abs().max() <= 1e-5 * (xh.abs().double() @ dense.abs().double().T).max()
+    assert calls[-1] == 8  # it did go through the AMX kernel
+
+
+def test_rows_off_the_64_grid_keep_pytorchs_kernel(fn, monkeypatch):
+    lin, _ = _weight(80, 64, seed=4)  # packed to 80 rows: the AMX kernel needs whole 64-row blocks
+    monkeypatch.setattr(quant, "BATCH_KERNEL", BatchKernel(fn, 1))
+    x = torch.randn(20, 64).to(torch.bfloat16)
+    assert torch.equal(lin.mm(x), lin.mm_torch(x))
+
+
+def test_the_threshold_is_measured_once_then_kept(fn, tmp_path):
+    first, how = choose_batch_kernel(tmp_path)
+    again, how2 = choose_batch_kernel(tmp_path)
+    assert "measured earlier" in how2 and "measured earlier" not in how
+    assert (first is None) == (again is None)
+    if first is not None:
+        assert again is not None and first.min_rows == again.min_rows and first.min_rows in (2, 4, 8, 16, 32)
+        assert f"batches of {first.min_rows}+ rows" in how2
