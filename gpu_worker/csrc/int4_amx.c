@@ -8,8 +8,8 @@
  *
  * Why: PyTorch's kernel dequantises every weight for every 4 rows of x and multiplies with vector FMAs, so its cost
  * grows with the batch (at 32 rows it is 2x slower than a bf16 GEMM here). This kernel dequantises each 64-row block
- * of W once per call into bf16 tiles in the "VNNI" pair layout, the fp32 weight split in two bf16 parts (hi = the
- * weight rounded to bf16, lo = the rest, so hi + lo keeps 16 bits: the products are as exact as PyTorch's fp32
+ * of W once per call into bf16 tiles in the "VNNI" pair layout, the fp32 weight split in two bf16 parts (hi = its top
+ * 16 bits, lo = those of the rest, so hi + lo keeps 16 bits: the products are within 2^-16 of PyTorch's fp32
  * dequantisation, not rounded like a bf16 weight), then multiplies 16 rows of x at a time with tdpbf16ps
  * (16 x 16 x 32 MACs per instruction) against both parts, accumulating in fp32 over all of K. At one row PyTorch's kernel stays faster, so the caller picks by
  * batch size. Threads: OpenMP over the 64-row blocks of W (torch's libgomp, one pool).
@@ -56,16 +56,13 @@ static inline uint16_t f32_to_bf16(float f) {
 }
 
 /* Dequantise the 64-row block nb of W over all K into bt [G][8][16 pairs][16 rows][2] bf16: for each group, the
- * B tiles (pairs of inputs 2p, 2p + 1 side by side per output row) of the four 16-row quarters, first the weight
- * rounded to bf16 (hi), then what that rounding left (lo = bf16(w - hi)); hi + lo holds w to 16 bits. */
+ * B tiles (pairs of inputs 2p, 2p + 1 side by side per output row) of the four 16-row quarters, first the weight's
+ * top 16 bits (hi), then the top 16 bits of what is left (lo = w - hi, exact in fp32); hi + lo holds w to 16 bits. */
 static void build_b(const uint8_t* packed, const uint16_t* sz, int64_t nb, int64_t K, int64_t N_pad, uint16_t* bt) {
     const int64_t G = K / 32;
     const __m512 lut = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7); /* q - 8, exact */
     const __m512i lo4 = _mm512_set1_epi32(15);
-    /* word i of the output row: i even -> input 2p (first source), i odd -> 2p + 1 (second), row i / 2 */
-    static const uint16_t inter_idx[32] = {0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,  21, 6,  22, 7,  23,
-                                           8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
-    const __m512i inter = _mm512_loadu_si512(inter_idx);
+    const __m512i top = _mm512_set1_epi32((int)0xFFFF0000u);
     for (int64_t g = 0; g < G; g++) {
         __m512 sc[4], zr[4];
         for (int s = 0; s < 4; s++) { /* rows nb*64 + 16s .. + 16: (scale, zero) bf16 pairs -> two fp32 vectors */
@@ -84,17 +81,33 @@ static void build_b(const uint8_t* packed, const uint16_t* sz, int64_t nb, int64
                 for (int s = 0; s < 4; s++) w[h][s] = _mm512_fmadd_ps(_mm512_permutexvar_ps(q[s], lut), sc[s], zr[s]);
             }
             for (int s = 0; s < 4; s++) {
-                __m512i hi = (__m512i)_mm512_cvtne2ps_pbh(w[1][s], w[0][s]); /* words 0..15: input 2p, 16..31: 2p+1 */
-                __m512 h0 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(hi)), 16));
-                __m512 h1 = _mm512_castsi512_ps(
-                    _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(hi, 1)), 16));
-                __m512i lo = (__m512i)_mm512_cvtne2ps_pbh(_mm512_sub_ps(w[1][s], h1), _mm512_sub_ps(w[0][s], h0));
-                _mm512_storeu_si512(bt + ((g * 8 + s) * 16 + p) * 32, _mm512_permutexvar_epi16(inter, hi));
-                _mm512_storeu_si512(bt + ((g * 8 + 4 + s) * 16 + p) * 32, _mm512_permutexvar_epi16(inter, lo));
+                /* hi = the top 16 bits of each fp32 weight (a bf16, truncated), lo = the exact rest, truncated to
+                 * bf16 too: hi + lo keeps 16 of the weight's 24 bits. A VNNI pair dword is (w[2p+1] bits & top) |
+                 * (w[2p] bits >> 16); vpternlogd does the select (0xCA: top ? w[2p+1] : w[2p] >> 16, bitwise). */
+                __m512i w0 = _mm512_castps_si512(w[0][s]), w1 = _mm512_castps_si512(w[1][s]);
+                __m512i h0 = _mm512_and_si512(w0, top), h1 = _mm512_and_si512(w1, top);
+                __m512i l0 = _mm512_castps_si512(_mm512_sub_ps(w[0][s], _mm512_castsi512_ps(h0)));
+                __m512i l1 = _mm512_castps_si512(_mm512_sub_ps(w[1][s], _mm512_castsi512_ps(h1)));
+                __m512i hi = _mm512_ternarylogic_epi32(top, w1, _mm512_srli_epi32(w0, 16), 0xCA);
+                __m512i lo = _mm512_ternarylogic_epi32(top, l1, _mm512_srli_epi32(l0, 16), 0xCA);
+                _mm512_storeu_si512(bt + ((g * 8 + s) * 16 + p) * 32, hi);
+                _mm512_storeu_si512(bt + ((g * 8 + 4 + s) * 16 + p) * 32, lo);
             }
         }
     }
 }
+/* A buffer of at least n bytes kept per thread across calls (OpenMP's threads persist): the B tiles of a 64-row
+ * block are up to 400 KB, and a fresh malloc that large is an mmap with page faults on every call. */
+static void* thread_buffer(void** buf, size_t* cap, size_t n) {
+    if (*cap < n) {
+        free(*buf);
+        *buf = aligned_alloc(64, (n + 63) / 64 * 64);
+        *cap = *buf ? n : 0;
+    }
+    return *buf;
+}
+static __thread void *bt_buf, *xb_buf;
+static __thread size_t bt_cap, xb_cap;
 #else
 #define HAVE_AMX 0
 #endif
@@ -109,7 +122,7 @@ int loom_int4_amx(int64_t M, int64_t N_pad, int64_t K, const void* x, int64_t x_
     if (M == 0 || n_out == 0) return 0;
     if (!amx_enable()) return 3;
     const int64_t Mp = (M + 15) / 16 * 16, G = K / 32;
-    uint16_t* xb = aligned_alloc(64, (size_t)(Mp * K * 2)); /* x as bf16, rows past M zero */
+    uint16_t* xb = thread_buffer(&xb_buf, &xb_cap, (size_t)(Mp * K * 2)); /* x as bf16, rows past M zero */
     if (!xb) return 2;
     for (int64_t i = 0; i < M; i++)
         for (int64_t k = 0; k < K; k++)
@@ -118,13 +131,13 @@ int loom_int4_amx(int64_t M, int64_t N_pad, int64_t K, const void* x, int64_t x_
     int failed = 0;
 #pragma omp parallel
     {
-        uint16_t* bt = aligned_alloc(64, (size_t)(G * 8 * 512 * 2));
-        float* cb = aligned_alloc(64, 16 * 64 * sizeof(float));
-        if (bt && cb) amx_config();
+        uint16_t* bt = thread_buffer(&bt_buf, &bt_cap, (size_t)(G * 8 * 512 * 2));
+        float cb[16 * 64] __attribute__((aligned(64)));
+        if (bt) amx_config();
         /* every thread reaches the worksharing loop, also one whose buffers failed */
 #pragma omp for schedule(static)
             for (int64_t nb = 0; nb < N_pad / 64; nb++) {
-                if (!bt || !cb) {
+                if (!bt) {
 #pragma omp atomic write
                     failed = 1;
                     continue;
@@ -171,11 +184,8 @@ int loom_int4_amx(int64_t M, int64_t N_pad, int64_t K, const void* x, int64_t x_
                         }
                 }
             }
-        if (bt && cb) _tile_release();
-        free(bt);
-        free(cb);
+        if (bt) _tile_release();
     }
-    free(xb);
     return failed ? 2 : 0;
 #else
     (void)M, (void)N_pad, (void)K, (void)x, (void)x_stride, (void)x_bf16, (void)out, (void)out_stride, (void)out_bf16;
