@@ -15,7 +15,8 @@ fp32 or fp16 inputs on CPU, measured here), outputs come back in the caller's dt
 Scales and zeros are held in bf16 (the kernels' requirement), so a GGUF weight is represented to bf16
 precision, the same precision as the bf16 path on the dequantised checkpoint. At one row these kernels read
 2-4x fewer bytes than a bf16 GEMM and run 2.5-4.5x faster; from about 16 rows up they are compute-bound and
-slower than AMX bf16 GEMM (see ``bench/quant_kernels.py``).
+slower than AMX bf16 GEMM. So on CPUs with AMX, ``Int4Linear`` multiplies batches on Loom's own kernel
+(:mod:`gpu_worker.int4_amx`, over the same packed weights; ``bench/decode_step.py --int4-ab``).
 """
 
 from __future__ import annotations
