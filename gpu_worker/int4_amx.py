@@ -112,7 +112,7 @@ MARGIN = 1.2  # the C kernel must be this much faster in the start-up timing: ne
 
 def _crossover(fn: ctypes._CFuncPtr) -> tuple[int, str]:  # type: ignore[name-defined]
     """The smallest batch in 2, 4, 8, 16, 32 at which the C kernel beats PyTorch's by :data:`MARGIN` through 8
-    distinct ``[1536, 576]`` weights (fastest of 5 passes each); 0 if none."""
+    distinct ``[1536, 576]`` weights (fastest of 5 passes each), 0 if none; and a line with the timings."""
     from gpu_worker.quant import GROUP, Int4Linear
     from gpu_worker.timing import best_time
 
@@ -130,8 +130,8 @@ def _crossover(fn: ctypes._CFuncPtr) -> tuple[int, str]:  # type: ignore[name-de
         t_torch = best_time(lambda: [w.mm_torch(x) for w in mats], 5)  # noqa: B023
         parts.append(f"{rows} rows: AMX {t_amx * 1e6:.0f} us, torch {t_torch * 1e6:.0f} us")
         if t_amx * MARGIN < t_torch:
-            return rows, "; ".join(parts)
-    return 0, "; ".join(parts)
+            return rows, f"from {rows} rows ({'; '.join(parts)})"
+    return 0, f"never faster ({'; '.join(parts)})"
 
 
 def choose_batch_kernel(cache_dir: Path, group: object | None = None) -> tuple[BatchKernel | None, str]:
@@ -145,15 +145,7 @@ def choose_batch_kernel(cache_dir: Path, group: object | None = None) -> tuple[B
 
         kernel = fn
         key = f"{torch.__version__}|{hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:16]}"
-        found: dict[str, int] = {}
-
-        def measure() -> tuple[bool, str]:
-            r, text = _crossover(kernel)
-            found["rows"] = r
-            return r > 0, f"from {r} rows ({text})" if r else f"never faster ({text})"
-
-        faster, how = cached_choice(cache_dir / "kernel-choice", "int4-amx-rows", key, measure)
-        rows = found["rows"] if "rows" in found else (_rows_from(how) if faster else 0)
+        rows, how = cached_choice(cache_dir / "kernel-choice", "int4-amx-min-rows", key, lambda: _crossover(kernel))
     if group is not None:
         import torch.distributed as dist
 
@@ -166,11 +158,3 @@ def choose_batch_kernel(cache_dir: Path, group: object | None = None) -> tuple[B
     if not rows:
         return None, f"4-bit batches on PyTorch's kernel (AMX kernel {how})"
     return BatchKernel(fn, rows), f"4-bit batches of {rows}+ rows on the AMX kernel ({how})"
-
-
-def _rows_from(how: str) -> int:
-    """The threshold out of a cached ``from N rows (...)`` line."""
-    try:
-        return int(how.split("from ", 1)[1].split(" rows", 1)[0])
-    except (IndexError, ValueError):
-        return 0

@@ -2,11 +2,11 @@
 
 A kernel is plain C compiled with ``-O3 -march=native`` (so the vector ISA is whatever this CPU has) and OpenMP
 (it then shares torch's already-loaded libgomp, so both use one thread pool). The shared object is kept in
-``$LOOM_CACHE_DIR/kernels/`` under a key of the source, the build flags, the compiler's version and the CPU's
-flags, with its sha256 next to it (a file that does not match is rebuilt, never loaded); TP ranks that build at
-the same time each write a private file and rename it into place. No compiler, or a build or load that fails,
-only costs the fast path: :func:`load_library` returns None and says why. ``import torch`` must come first in the
-process: torch's libgomp is then loaded, and the kernel binds to it.
+``$LOOM_CACHE_DIR/kernels/`` under a key of the source and the headers beside it, the build flags, the compiler's
+version and the CPU's flags, with its sha256 next to it (a file that does not match is rebuilt, never loaded); TP
+ranks that build at the same time each write a private file and rename it into place. No compiler, or a build or
+load that fails, only costs the fast path: :func:`load_library` returns None and says why. ``import torch`` must
+come first in the process: torch's libgomp is then loaded, and the kernel binds to it.
 """
 
 from __future__ import annotations
@@ -96,8 +96,9 @@ def load_library(source: Path, cache_dir: Path) -> tuple[ctypes.CDLL | None, str
         version = subprocess.run([*cc, "--version"], capture_output=True, text=True, timeout=30, check=True).stdout
     except (OSError, subprocess.SubprocessError) as e:
         return None, f"the C compiler {' '.join(cc)} does not run ({_failure(e)})"
+    headers = b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))  # what the source may include
     key = hashlib.sha256(
-        source.read_bytes() + " ".join(CFLAGS).encode() + version.encode() + cpu_flags().encode()
+        source.read_bytes() + headers + " ".join(CFLAGS).encode() + version.encode() + cpu_flags().encode()
         + platform.machine().encode()
     ).hexdigest()[:16]  # fmt: skip
     failures = []

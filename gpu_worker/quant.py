@@ -22,13 +22,11 @@ slower than AMX bf16 GEMM. So on CPUs with AMX, ``Int4Linear`` multiplies batche
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-if TYPE_CHECKING:
-    from gpu_worker.int4_amx import BatchKernel
+from gpu_worker.int4_amx import BatchKernel, amx_mm
 
 GROUP = 32  # GGUF block size and the int4 kernel's group size
 _KERNEL_DTYPE = torch.bfloat16
@@ -117,8 +115,6 @@ class Int4Linear:
         """
         bk = BATCH_KERNEL
         if bk is not None and x.shape[0] >= bk.min_rows and self.packed.shape[0] % 64 == 0 and x.dtype in _AMX_X:
-            from gpu_worker.int4_amx import amx_mm
-
             xk = torch.cat([x, x], dim=-1) if self.dup_input else x
             return amx_mm(bk.fn, xk, self.packed, self.scales_zeros, self.out_features)
         return self.mm_torch(x)

@@ -10,6 +10,9 @@ import platform
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
+
+A = TypeVar("A", bool, int)  # a cached answer
 
 
 def best_time(fn: Callable[[], object], repeats: int) -> float:
@@ -27,12 +30,13 @@ def best_time(fn: Callable[[], object], repeats: int) -> float:
     return min(times)
 
 
-def cached_choice(cache_dir: Path, name: str, key: str, measure: Callable[[], tuple[bool, str]]) -> tuple[bool, str]:
-    """``measure()`` (``(faster, how)``) run once per machine and kept in ``cache_dir/{name}-{hash}.json``.
+def cached_choice(cache_dir: Path, name: str, key: str, measure: Callable[[], tuple[A, str]]) -> tuple[A, str]:
+    """``measure()`` (``(answer, how)``: whether a kernel is faster, or a threshold in rows; a bool or an int) run
+    once per machine and kept in ``cache_dir/{name}-{hash}.json``.
 
     A start-up timing on a shared machine can flip with the load of the moment; keeping the first answer, keyed
     by ``key`` plus the CPU's model and flags, gives every later start, and every restart after a failure, the
-    same kernels and so the same outputs. Delete the file to measure again. Returns ``(faster, how)``.
+    same kernels and so the same outputs. Delete the file to measure again. Returns ``(answer, how)``.
     """
     flags = ""
     with contextlib.suppress(OSError):
@@ -43,7 +47,8 @@ def cached_choice(cache_dir: Path, name: str, key: str, measure: Callable[[], tu
     path = cache_dir / f"{name}-{digest}.json"
     with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
         doc = json.loads(path.read_text())
-        return bool(doc["faster"]), f"{doc['how']}, measured earlier ({path})"
+        if isinstance(doc["faster"], int):  # bool is an int too; anything else is a damaged file: measure again
+            return doc["faster"], f"{doc['how']}, measured earlier ({path})"
     faster, how = measure()
     with contextlib.suppress(OSError):
         cache_dir.mkdir(parents=True, exist_ok=True)

@@ -14,46 +14,14 @@
  * (16 x 16 x 32 MACs per instruction) against both parts, accumulating in fp32 over all of K. At one row PyTorch's kernel stays faster, so the caller picks by
  * batch size. Threads: OpenMP over the 64-row blocks of W (torch's libgomp, one pool).
  */
-#include <stdint.h>
 #include <stdlib.h>
-#include <string.h>
+
+#include "loom_cpu.h"
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
-#include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 #define HAVE_AMX 1
-
-typedef struct {
-    uint8_t palette_id, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} __attribute__((packed)) tilecfg_t;
-
-static int amx_state; /* 0: not asked yet, 1: granted, -1: refused */
-
-static int amx_enable(void) { /* Linux hands out AMX state only on request */
-    if (amx_state == 0) amx_state = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) ? -1 : 1;
-    return amx_state == 1;
-}
-
-/* tiles 0-3: C, 16 rows of x by 16 outputs (fp32); tile 4: 16 rows of x by 32 inputs (bf16); tile 5: 16 input
- * pairs by 16 outputs (bf16 pairs) */
-static void amx_config(void) {
-    tilecfg_t c;
-    memset(&c, 0, sizeof c);
-    c.palette_id = 1;
-    for (int i = 0; i < 6; i++) c.colsb[i] = 64, c.rows[i] = 16;
-    _tile_loadconfig(&c);
-}
-
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40); /* quiet NaN */
-    u += 0x7fffu + ((u >> 16) & 1u);                                           /* round to nearest even */
-    return (uint16_t)(u >> 16);
-}
+/* tiles (amx_config(6)): 0-3: C, 16 rows of x by 16 outputs (fp32); 4: 16 rows of x by 32 inputs (bf16);
+ * 5: 16 input pairs by 16 outputs (bf16 pairs) */
 
 /* Dequantise the 64-row block nb of W over all K into bt [G][8][16 pairs][16 rows][2] bf16: for each group, the
  * B tiles (pairs of inputs 2p, 2p + 1 side by side per output row) of the four 16-row quarters, first the weight's
@@ -96,6 +64,13 @@ static void build_b(const uint8_t* packed, const uint16_t* sz, int64_t nb, int64
         }
     }
 }
+/* tile ops of quarter s (tile s) for one group: C_s += x . hi_s + x . lo_s, B tiles at b (tiles 4: x, 5: B) */
+#define HI_LO(s)                             \
+    _tile_loadd(5, b + (s) * 512, 64);       \
+    _tile_dpbf16ps(s, 4, 5);                 \
+    _tile_loadd(5, b + (4 + (s)) * 512, 64); \
+    _tile_dpbf16ps(s, 4, 5)
+
 /* A buffer of at least n bytes kept per thread across calls (OpenMP's threads persist): the B tiles of a 64-row
  * block are up to 400 KB, and a fresh malloc that large is an mmap with page faults on every call. */
 static void* thread_buffer(void** buf, size_t* cap, size_t n) {
@@ -133,7 +108,7 @@ int loom_int4_amx(int64_t M, int64_t N_pad, int64_t K, const void* x, int64_t x_
     {
         uint16_t* bt = thread_buffer(&bt_buf, &bt_cap, (size_t)(G * 8 * 512 * 2));
         float cb[16 * 64] __attribute__((aligned(64)));
-        if (bt) amx_config();
+        if (bt) amx_config(6);
         /* every thread reaches the worksharing loop, also one whose buffers failed */
 #pragma omp for schedule(static)
             for (int64_t nb = 0; nb < N_pad / 64; nb++) {
@@ -149,25 +124,13 @@ int loom_int4_amx(int64_t M, int64_t N_pad, int64_t K, const void* x, int64_t x_
                     _tile_zero(1);
                     _tile_zero(2);
                     _tile_zero(3);
-                    for (int64_t g = 0; g < G; g++) { /* C_s += x . hi_s + x . lo_s */
+                    for (int64_t g = 0; g < G; g++) {
                         const uint16_t* b = bt + g * 8 * 512;
                         _tile_loadd(4, xb + m0 * K + g * 32, K * 2);
-                        _tile_loadd(5, b, 64);
-                        _tile_dpbf16ps(0, 4, 5);
-                        _tile_loadd(5, b + 512, 64);
-                        _tile_dpbf16ps(1, 4, 5);
-                        _tile_loadd(5, b + 1024, 64);
-                        _tile_dpbf16ps(2, 4, 5);
-                        _tile_loadd(5, b + 1536, 64);
-                        _tile_dpbf16ps(3, 4, 5);
-                        _tile_loadd(5, b + 2048, 64);
-                        _tile_dpbf16ps(0, 4, 5);
-                        _tile_loadd(5, b + 2560, 64);
-                        _tile_dpbf16ps(1, 4, 5);
-                        _tile_loadd(5, b + 3072, 64);
-                        _tile_dpbf16ps(2, 4, 5);
-                        _tile_loadd(5, b + 3584, 64);
-                        _tile_dpbf16ps(3, 4, 5);
+                        HI_LO(0);
+                        HI_LO(1);
+                        HI_LO(2);
+                        HI_LO(3);
                     }
                     _tile_stored(0, cb, 256);
                     _tile_stored(1, cb + 16, 256);

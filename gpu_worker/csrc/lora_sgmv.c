@@ -14,8 +14,7 @@
  * of fixed overhead; a decode step's adapter math is memory-bound at best (all slots' weights are read once).
  * Threads: OpenMP when built with it (the process shares torch's already-loaded libgomp, one thread pool).
  */
-#include <stdint.h>
-#include <string.h>
+#include "loom_cpu.h"
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -30,21 +29,6 @@ typedef float v16 __attribute__((vector_size(64)));
 typedef uint32_t u32x16 __attribute__((vector_size(64)));
 typedef int32_t i32x16 __attribute__((vector_size(64)));
 typedef uint16_t u16x16 __attribute__((vector_size(32)));
-
-static inline float bf16_to_f32(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40); /* quiet NaN */
-    u += 0x7fffu + ((u >> 16) & 1u);                                           /* round to nearest even */
-    return (uint16_t)(u >> 16);
-}
 
 static inline v16 ldf(const float* p) {
     v16 v;
@@ -160,30 +144,9 @@ static inline int64_t seg_rmax(int64_t s, const int32_t* ranks, int64_t nmod) {
  * fp32, 16x the MACs of a vector instruction. The shrink maps onto it without repacking A: the A operand is 16 rows
  * of the slot's A (32 inputs each, read in place with the row stride), the B operand a block of 16 tokens' x in
  * the "VNNI" pair layout, built once per token block. Linux hands out AMX state only on request (arch_prctl). */
-#include <sys/syscall.h>
-#include <unistd.h>
 #define HAVE_AMX 1
 #define TBA 16 /* tokens per AMX block */
-typedef struct {
-    uint8_t palette_id, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} __attribute__((packed)) tilecfg_t;
-
-static int amx_state; /* 0: not asked yet, 1: granted, -1: refused */
-
-static int amx_enable(void) {
-    if (amx_state == 0) amx_state = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) ? -1 : 1;
-    return amx_state == 1;
-}
-
-static void amx_config(void) { /* tile 0: C 16 x 16 fp32, tile 1: 16 rows of A x 32 bf16, tile 2: 16 pairs x 16 tokens */
-    tilecfg_t c;
-    memset(&c, 0, sizeof c);
-    c.palette_id = 1;
-    for (int i = 0; i < 3; i++) c.colsb[i] = 64, c.rows[i] = 16;
-    _tile_loadconfig(&c);
-}
+/* tiles (amx_config(3)): 0: C 16 x 16 fp32, 1: 16 rows of A x 32 bf16, 2: 16 pairs x 16 tokens */
 
 /* x rows tok[0..nt) (bf16) as xv[in_dim / 32][16 pairs][TBA tokens] of 32-bit (k, k+1) pairs; tokens nt.. zero.
  * Each 16 x 16 block of pairs is transposed in registers (4 rounds of unpack/shuffle). */
@@ -469,7 +432,7 @@ int loom_lora_sgmv(int64_t in_dim, const void* x, int x_bf16, void* out, int64_t
         float xf[TB * MAXIN];
         int64_t xf_p0 = -1, xf_nt = 0; /* the token block xf holds (static schedules hand a thread runs of one block) */
 #if HAVE_AMX
-        if (amx) amx_config();
+        if (amx) amx_config(3);
         if (amx) {
             /* shrink: work items = (segment, block of TBA tokens, 16-row tile), numbered across all segments so the
              * threads split the whole step evenly (a segment alone may be one tile); xf holds the block's xv */
