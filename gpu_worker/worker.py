@@ -154,6 +154,9 @@ class Worker:
         (``gpu_worker.int4_amx``; measured once per machine, the same on every TP rank); logs the choice."""
         if self.quantization != "gguf":
             return
+        if self.dtype not in (torch.float32, torch.bfloat16):  # the kernel takes fp32/bf16 activations only
+            log.info("rank %d: 4-bit batches on PyTorch's kernel (%s activations)", self.rank, self.dtype)
+            return
         from gpu_worker import quant
         from gpu_worker.int4_amx import choose_batch_kernel
 
