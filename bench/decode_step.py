@@ -57,6 +57,12 @@ def main() -> None:
         help="with --quantization gguf: blocks of 5 steps in turns with the batched AMX 4-bit kernel as chosen at "
         "start-up and with PyTorch's 4-bit kernel only (gpu_worker/int4_amx.py)",
     )
+    p.add_argument(
+        "--attn-ab",
+        action="store_true",
+        help="blocks of 5 steps in turns with decode attention on the C kernel as chosen at start-up and on SDPA "
+        "(gpu_worker/decode_attention.py)",
+    )
     a = p.parse_args()
     import msgspec
     import torch
@@ -132,6 +138,10 @@ def main() -> None:
     if a.int4_ab:
         print(f"batched 4-bit kernel chosen at start-up: {chosen}")
     by_int4: dict[str, list[float]] = {"amx": [], "torch": []}
+    chosen_attn = w.model.decode_attn
+    if a.attn_ab:
+        print(f"C decode attention chosen at start-up: {chosen_attn is not None}")
+    by_attn: dict[str, list[float]] = {"c": [], "sdpa": []}
     mirror = w.decode_mirror
     if a.mirror == "off":
         w.decode_mirror = None
@@ -151,11 +161,16 @@ def main() -> None:
         if a.int4_ab:
             kern = "amx" if (k - 1) // 5 % 2 == 0 else "torch"
             quant.BATCH_KERNEL = chosen if kern == "amx" else None
+        if a.attn_ab:
+            attn = "c" if (k - 1) // 5 % 2 == 0 else "sdpa"
+            w.model.decode_attn = chosen_attn if attn == "c" else None
         t = time.perf_counter()
         step(k)
         times.append(time.perf_counter() - t)
         if a.int4_ab and (k - 1) % 5:
             by_int4[kern].append(times[-1])
+        if a.attn_ab and (k - 1) % 5:
+            by_attn[attn].append(times[-1])
         if a.mirror == "ab" and (k - 1) % 5:
             by_mode["on" if on else "off"].append(times[-1])
         if a.lora_ab and (k - 1) % 5:
@@ -172,6 +187,9 @@ def main() -> None:
         amx_ms, torch_ms = (statistics.median(by_int4[m]) * 1e3 for m in ("amx", "torch"))
         speedup = torch_ms / amx_ms
         print(f"4-bit batches: AMX kernel {amx_ms:.1f} ms, torch only {torch_ms:.1f} ms per step: {speedup:.2f}x")
+    if a.attn_ab:
+        c_ms, sdpa_ms = (statistics.median(by_attn[m]) * 1e3 for m in ("c", "sdpa"))
+        print(f"decode attention: C kernel {c_ms:.1f} ms, SDPA {sdpa_ms:.1f} ms per step: {sdpa_ms / c_ms:.2f}x")
     if a.mirror == "ab":
         on_ms, off_ms = (statistics.median(by_mode[m]) * 1e3 for m in ("on", "off"))
         print(f"decode KV mirror on {on_ms:.1f} ms, off {off_ms:.1f} ms per step: off/on {off_ms / on_ms:.2f}")

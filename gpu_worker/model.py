@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from gpu_worker.decode_attention import DecodeAttention
 from gpu_worker.decode_mirror import MirrorUse, mirrored_kv
 from gpu_worker.kv_cache import KVCache
 from gpu_worker.packed_linear import PackedLinear
@@ -44,7 +45,8 @@ class DecodeGroup:
     ``mask`` ``[G, 1, 1, L]`` bool (True = attend), None when every row has exactly ``L`` positions.
     ``every_token``: the group is the whole step, ``token_index == arange(T)`` (a pure decode step).
     ``mirror``: read the history from the worker's :class:`~gpu_worker.decode_mirror.DecodeKVMirror` (the
-    same values, kept across steps) instead of gathering it from the paged cache.
+    same values, kept across steps) instead of gathering it from the paged cache. ``lengths`` ``[G]`` int64: each
+    row's history length (what ``mask`` says; None when ``mask`` is None), for the C decode attention.
     """
 
     token_index: torch.Tensor
@@ -53,6 +55,7 @@ class DecodeGroup:
     mask: torch.Tensor | None
     every_token: bool = False
     mirror: MirrorUse | None = None
+    lengths: torch.Tensor | None = None
 
 
 @dataclass
@@ -148,6 +151,8 @@ class LlamaShard:
         self.dtype = norm.dtype
         self.inv_freq = rope_inv_freq(cfg).to(norm.device)
         self.upcast_min_rows = _bf16_upcast_threshold(norm)
+        # the C decode attention (gpu_worker.decode_attention) where the worker found it faster than SDPA
+        self.decode_attn: DecodeAttention | None = None
         # vocab-parallel head at TP > 1: this rank's rows only (views), joined by one all-reduce per step
         self.vocab = cfg.vocab_size
         self.vocab_lo, self.vocab_hi = vocab_range(cfg.vocab_size, self.tp, plan.rank)
@@ -237,6 +242,11 @@ class LlamaShard:
             if n >= self.upcast_min_rows:  # slow bf16 kernels on this CPU: attend in fp32
                 qd, kd, vd = qd.float(), kd.float(), vd.float()
         scale = 1.0 / math.sqrt(self.d)
+        if self.decode_attn is not None and qd.dtype in (torch.float32, torch.bfloat16):
+            lengths = g.lengths
+            if lengths is None and g.mask is not None:  # a prefix mask built by hand (tests): its lengths
+                lengths = g.mask[:, 0, 0, :].sum(-1)
+            return self.decode_attn(qd[:, :, 0, :], kd, vd, lengths, scale).to(q.dtype)
         od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=g.mask, scale=scale, enable_gqa=True)
         return od[:, :, 0, :].to(q.dtype)
 

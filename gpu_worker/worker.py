@@ -100,6 +100,7 @@ class Worker:
         self.model = LlamaShard(self.cfg, self.plan, weights, group)  # takes its vocabulary rows of the head
         self.packed_linears = self._pack_linears(weights)
         self._choose_int4_batch_kernel(group)
+        self._choose_decode_attention(group)
         release_freed_memory()
         self.context_len = args.context_length or self.cfg.max_position_embeddings
         cap = kv_capacity_tokens(args, self.cfg, self.plan.num_kv_heads, self.dtype, self.device)
@@ -148,6 +149,16 @@ class Worker:
             pack_linears(weights)
         log.info("rank %d: packed bf16/fp16 linear weights %s", self.rank, how)
         return pays
+
+    def _choose_decode_attention(self, group: object | None) -> None:
+        """On CPU, decode attention on the C kernel (``gpu_worker.decode_attention``) where it is faster than SDPA
+        on this machine (measured once, the same on every TP rank); logs the choice."""
+        if self.device.type != "cpu":
+            return
+        from gpu_worker.decode_attention import choose_decode_attention
+
+        self.model.decode_attn, how = choose_decode_attention(cache_root(), group)
+        log.info("rank %d: %s", self.rank, how)
 
     def _choose_int4_batch_kernel(self, group: object | None) -> None:
         """With 4-bit weights (``gguf``), set the batch size from which they multiply on the AMX kernel
@@ -293,7 +304,7 @@ class Worker:
             lmax = max(lens)
             req_rows = torch.tensor([fb.reqs[rows[i]].req_idx for i in g], device=dev)
             kv_slots = self.kv.req_to_token[req_rows, :lmax]
-            mask = None
+            mask = lt = None
             if min(lens) != lmax:
                 lt = torch.tensor(lens, device=dev)
                 valid = torch.arange(lmax, device=dev)[None, :] < lt[:, None]  # [G, L]
@@ -305,7 +316,7 @@ class Worker:
             every = len(groups) == 1 and len(g) == len(fb.reqs) and [tok[i] for i in g] == list(range(len(g)))
             if mirror is not None and mirror.fill_rows is not None:
                 mirror.fill_slots = kv_slots.view(len(g), lmax).index_select(0, mirror.fill_rows).reshape(-1)
-            out.append(DecodeGroup(index, kv_slots, lmax, mask, every, mirror))
+            out.append(DecodeGroup(index, kv_slots, lmax, mask, every, mirror, lt))
         return out
 
     def forward_logits(self, fb: ForwardBatch) -> torch.Tensor:

@@ -2,7 +2,8 @@
 transformers fp32 logits on the real checkpoint (TP=1, in-process).
 
 A 1,300-token prompt decodes in the same steps as two short chats, so the worker's length grouping makes
-separate decode groups (one long, one short); logits must match the reference within 1e-3 either way.
+separate decode groups (one long, one short); logits must match the reference within 1e-3 either way, with decode
+attention on the C kernel and on SDPA.
 """
 
 from __future__ import annotations
@@ -51,7 +52,18 @@ def worker(model_path):
     return Worker(make_args(model_path, max_total_tokens=4096, context_length=2048))
 
 
-def test_unequal_histories_decode_in_groups_and_match(worker, cases, monkeypatch):
+@pytest.mark.parametrize("attention", ["c-kernel", "sdpa"])
+def test_unequal_histories_decode_in_groups_and_match(worker, cases, monkeypatch, attention, tmp_path_factory):
+    if attention == "sdpa":
+        monkeypatch.setattr(worker.model, "decode_attn", None)
+    else:  # the C decode attention whatever the start-up timing chose (gpu_worker/decode_attention.py)
+        from gpu_worker.decode_attention import LOAD_NOTES, as_callable, load_decode_attention
+
+        d = tmp_path_factory.mktemp("kernels")
+        fn = load_decode_attention(d)
+        if fn is None:
+            pytest.skip(f"no C decode attention here: {LOAD_NOTES[d]}")
+        monkeypatch.setattr(worker.model, "decode_attn", as_callable(fn))
     groups_seen = []
     real = worker._decode_groups
 

@@ -20,46 +20,9 @@
 #endif
 
 #define TB 8   /* most tokens per block: their accumulators stay in vector registers */
-#define VW 16  /* fp32 lanes per vector (GCC/Clang vector extensions: AVX-512 = one register, AVX2 = two) */
 #define JB 16  /* shrink rows per work item */
 #define MAXIN 4096
 #define SPF 2304 /* bytes of A prefetched ahead (across rows: the hardware prefetcher stops at 4 KiB pages) */
-
-typedef float v16 __attribute__((vector_size(64)));
-typedef uint32_t u32x16 __attribute__((vector_size(64)));
-typedef int32_t i32x16 __attribute__((vector_size(64)));
-typedef uint16_t u16x16 __attribute__((vector_size(32)));
-
-static inline v16 ldf(const float* p) {
-    v16 v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
-
-static inline v16 ldh(const uint16_t* p) { /* 16 bf16 -> fp32 (a bf16 is the top half of an fp32) */
-    u16x16 h;
-    memcpy(&h, p, sizeof h);
-    u32x16 w = __builtin_convertvector(h, u32x16) << 16;
-    v16 f;
-    memcpy(&f, &w, sizeof f);
-    return f;
-}
-
-static inline void sth(uint16_t* p, v16 f) { /* 16 fp32 -> bf16, round to nearest even, NaN stays NaN */
-    u32x16 u;
-    memcpy(&u, &f, sizeof u);
-    u32x16 r = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-    i32x16 nan = (i32x16)((u & 0x7fffffffu) > 0x7f800000u);
-    r = (r & ~(u32x16)nan) | (((u >> 16) | 0x40u) & (u32x16)nan);
-    u16x16 h = __builtin_convertvector(r, u16x16);
-    memcpy(p, &h, sizeof h);
-}
-
-static inline float hsum(v16 v) {
-    float s = 0.f;
-    for (int i = 0; i < VW; i++) s += v[i];
-    return s;
-}
 
 /* x rows tok[0..nt) as fp32 into xf [TB][in_dim], rows nt.. zero */
 static void load_x(const void* x, int x_bf16, int64_t in_dim, const int64_t* tok, int nt, float* xf) {

@@ -1,0 +1,326 @@
+/* Decode attention on the CPU: one new query token per row, attending to that row's KV history.
+ *
+ * For row g, KV head h and each of its rep = nq / nkv query heads (query head h * rep + i, as SDPA's enable_gqa):
+ *     out[g, h * rep + i] = sum_{j < len[g]} softmax_j(scale * q . k_j) v_j
+ * One work item is a (row, KV head): its K and V are read once for all rep query heads. The softmax runs over
+ * blocks of BK keys with a running maximum and sum (the online softmax of Milakov & Gimelshein, arXiv 1805.02867,
+ * as FlashAttention and flash-decoding use it), so any history length needs only fixed scratch. Accumulation is
+ * fp32 throughout, the probabilities stay fp32 for P.V; q, k, v and out are all bf16 or all fp32.
+ * Why not torch: SDPA's CPU kernel costs 30-70 us per call for one query row, and ~1 ms per layer for 32 rows of
+ * ~256 positions on a 2-core CPU, several times the time to stream K and V once, which is all this needs.
+ * Plain C (GCC/Clang vector extensions), compiled on the serving machine with -march=native.
+ * Threads: OpenMP over the work items (torch's libgomp, one pool).
+ */
+#include <math.h>
+
+#include "loom_cpu.h"
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define HAVE_BF16_DOT 1 /* bf16 q . k as 32 products per vdpbf16ps (exact products, fp32 sums), no conversion */
+#else
+#define HAVE_BF16_DOT 0
+#endif
+
+#define BK 64     /* keys per softmax block */
+#define MAXD 256  /* head_dim: a multiple of 16 up to this */
+#define MAXREP 16 /* query heads per KV head */
+
+
+/* 16 vectors -> one whose lane j is the sum of v[j]'s lanes: a transpose-and-add tree of 4 levels (15 pairs of
+ * shuffles) instead of 16 horizontal sums; the tree leaves lanes in bit-reversed order, put back by one shuffle. */
+static inline v16 reduce16(const v16* v) {
+    const i32x16 l1a = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
+    const i32x16 l1b = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
+    const i32x16 l2a = {0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27};
+    const i32x16 l2b = {4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31};
+    const i32x16 l3a = {0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29};
+    const i32x16 l3b = {2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31};
+    const i32x16 l4a = {0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30};
+    const i32x16 l4b = {1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31};
+    const i32x16 bitrev = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
+    v16 t[8], u[4], w[2];
+    for (int m = 0; m < 8; m++)
+        t[m] = __builtin_shuffle(v[2 * m], v[2 * m + 1], l1a) + __builtin_shuffle(v[2 * m], v[2 * m + 1], l1b);
+    for (int m = 0; m < 4; m++)
+        u[m] = __builtin_shuffle(t[2 * m], t[2 * m + 1], l2a) + __builtin_shuffle(t[2 * m], t[2 * m + 1], l2b);
+    for (int m = 0; m < 2; m++)
+        w[m] = __builtin_shuffle(u[2 * m], u[2 * m + 1], l3a) + __builtin_shuffle(u[2 * m], u[2 * m + 1], l3b);
+    v16 z = __builtin_shuffle(w[0], w[1], l4a) + __builtin_shuffle(w[0], w[1], l4b);
+    return __builtin_shuffle(z, bitrev);
+}
+
+/* e^x per lane for x <= 0 (softmax after subtracting the maximum): Cody-Waite reduction to r in [-ln2/2, ln2/2],
+ * a degree-7 Taylor polynomial (relative error < 1e-8 before rounding), times 2^n; below -87.3 (where e^x leaves
+ * the normal floats) the result is 0. */
+static inline v16 vexp(v16 x) {
+    const v16 lo = (v16){0} - 87.3f;
+    i32x16 under = x < lo;
+    x = (v16)(((i32x16)x & ~under) | ((i32x16)lo & under));
+    v16 n = (x * 1.44269504088896341f + 12582912.f) - 12582912.f; /* round(x / ln2) by the 1.5 * 2^23 trick */
+    v16 r = x - n * 0.693145751953125f;
+    r = r - n * 1.428606765330187045e-06f;
+    v16 p = (v16){0} + 1.f / 5040.f;
+    p = p * r + 1.f / 720.f;
+    p = p * r + 1.f / 120.f;
+    p = p * r + 1.f / 24.f;
+    p = p * r + 1.f / 6.f;
+    p = p * r + 0.5f;
+    p = p * r + 1.f;
+    p = p * r + 1.f;
+    i32x16 e = (__builtin_convertvector(n, i32x16) + 127) << 23;
+    return (v16)((i32x16)(p * (v16)e) & ~under);
+}
+
+/* 32 bf16 to p from fp32 even elements e and odd elements o (round to nearest even, NaN stays NaN) */
+static inline void sth2(uint16_t* p, v16 e, v16 o) {
+    u32x16 r[2];
+    v16 f[2] = {e, o};
+    for (int h = 0; h < 2; h++) {
+        u32x16 u;
+        memcpy(&u, &f[h], sizeof u);
+        u32x16 t = u + 0x7fffu + ((u >> 16) & 1u);
+        i32x16 nan = (i32x16)((u & 0x7fffffffu) > 0x7f800000u);
+        r[h] = (t & ~(u32x16)nan) | ((u | 0x400000u) & (u32x16)nan);
+    }
+    u32x16 x = (r[0] >> 16) | (r[1] & 0xffff0000u);
+    memcpy(p, &x, sizeof x);
+}
+
+static inline v16 ldx(const void* p, int64_t off, int bf16) {
+    return bf16 ? ldh((const uint16_t*)p + off) : ldf((const float*)p + off);
+}
+
+/* One (row, KV head) work item per the shapes generated from decode_attention_item.h: the shapes of the usual
+ * models (head_dim 64 or 128; 1, 2, 3, 4 or 8 query heads per KV head) have their own version, others the general. */
+typedef void (*attend_fn)(const void*, int64_t, const void*, int64_t, const void*, int64_t, int64_t, float, void*,
+                          int64_t, int, int, int);
+#define ATT_NAME attend_64_1_1
+#define ATT_D 64
+#define ATT_REP 1
+#define ATT_BF 1
+#define ATT_DCAP 64
+#define ATT_REPCAP 1
+#include "decode_attention_item.h"
+
+#define ATT_NAME attend_64_2_1
+#define ATT_D 64
+#define ATT_REP 2
+#define ATT_BF 1
+#define ATT_DCAP 64
+#define ATT_REPCAP 2
+#include "decode_attention_item.h"
+
+#define ATT_NAME attend_64_3_1
+#define ATT_D 64
+#define ATT_REP 3
+#define ATT_BF 1
+#define ATT_DCAP 64
+#define ATT_REPCAP 3
+#include "decode_attention_item.h"
+
+#define ATT_NAME attend_64_4_1
+#define ATT_D 64
+#define ATT_REP 4
+#define ATT_BF 1
+#define ATT_DCAP 64
+#define ATT_REPCAP 4
+#include "decode_attention_item.h"
+
+#define ATT_NAME attend_64_8_1
+#define ATT_D 64
+#define ATT_REP 8
+#define ATT_BF 1
+#define ATT_DCAP 64
+#define ATT_REPCAP 8
+#include "decode_attention_item.h"
+
+#define ATT_NAME attend_64_1_0
+#define ATT_D 64
+#define ATT_REP 1
+#define ATT_BF 0
+#define ATT_DCAP 64
+#define ATT_REPCAP 1
+#include "decode_attention_item.h"
+
+#define ATT_NAME attend_64_2_0
+#define ATT_D 64
+#define ATT_REP 2
+#define ATT_BF 0
+#define ATT_DCAP 64
+#define ATT_REPCAP 2
+#include "decode_attention_item.h"
+
+#define ATT_NAME attend_64_3_0
+#define ATT_D 64
+#define ATT_REP 3
+#define ATT_BF 0
+#define ATT_DCAP 64
+#define ATT_REPCAP 3
+#include "decode_attention_item.h"
+
+#define ATT_NAME attend_64_4_0
+#define ATT_D 64
+#define ATT_REP 4
+#define ATT_BF 0
+#define ATT_DCAP 64
+#define ATT_REPCAP 4
+#include "decode_attention_item.h"
+
+#define ATT_NAME attend_64_8_0
+#define ATT_D 64
+#define ATT_REP 8
+#define ATT_BF 0
+#define ATT_DCAP 64
+#define ATT_REPCAP 8
+#include "decode_attention_item.h"
+
+#define ATT_NAME attend_128_1_1
+#define ATT_D 128
+#define ATT_REP 1
+#define ATT_BF 1
+#define ATT_DCAP 128
+#define ATT_REPCAP 1
+#include "decode_attention_item.h"
+
+#define ATT_NAME attend_128_2_1
+#define ATT_D 128
+#define ATT_REP 2
+#define ATT_BF 1
+#define ATT_DCAP 128
+#define ATT_REPCAP 2
+#include "decode_attention_item.h"
+
+#define ATT_NAME attend_128_3_1
+#define ATT_D 128
+#define ATT_REP 3
+#define ATT_BF 1
+#define ATT_DCAP 128
+#define ATT_REPCAP 3
+#include "decode_attention_item.h"
+
+#define ATT_NAME attend_128_4_1
+#define ATT_D 128
+#define ATT_REP 4
+#define ATT_BF 1
+#define ATT_DCAP 128
+#define ATT_REPCAP 4
+#include "decode_attention_item.h"
+
+#define ATT_NAME attend_128_8_1
+#define ATT_D 128
+#define ATT_REP 8
+#define ATT_BF 1
+#define ATT_DCAP 128
+#define ATT_REPCAP 8
+#include "decode_attention_item.h"
+
+#define ATT_NAME attend_128_1_0
+#define ATT_D 128
+#define ATT_REP 1
+#define ATT_BF 0
+#define ATT_DCAP 128
+#define ATT_REPCAP 1
+#include "decode_attention_item.h"
+
+#define ATT_NAME attend_128_2_0
+#define ATT_D 128
+#define ATT_REP 2
+#define ATT_BF 0
+#define ATT_DCAP 128
+#define ATT_REPCAP 2
+#include "decode_attention_item.h"
+
+#define ATT_NAME attend_128_3_0
+#define ATT_D 128
+#define ATT_REP 3
+#define ATT_BF 0
+#define ATT_DCAP 128
+#define ATT_REPCAP 3
+#include "decode_attention_item.h"
+
+#define ATT_NAME attend_128_4_0
+#define ATT_D 128
+#define ATT_REP 4
+#define ATT_BF 0
+#define ATT_DCAP 128
+#define ATT_REPCAP 4
+#include "decode_attention_item.h"
+
+#define ATT_NAME attend_128_8_0
+#define ATT_D 128
+#define ATT_REP 8
+#define ATT_BF 0
+#define ATT_DCAP 128
+#define ATT_REPCAP 8
+#include "decode_attention_item.h"
+
+#define ATT_NAME attend_any
+#define ATT_D d
+#define ATT_REP rep
+#define ATT_BF bf16
+#define ATT_DCAP MAXD
+#define ATT_REPCAP MAXREP
+#include "decode_attention_item.h"
+
+static attend_fn pick(int64_t d, int rep, int bf16) {
+#define CASE(DD, RR, BB) \
+    if (d == DD && rep == RR && bf16 == BB) return attend_##DD##_##RR##_##BB;
+        CASE(64, 1, 1)
+        CASE(64, 2, 1)
+        CASE(64, 3, 1)
+        CASE(64, 4, 1)
+        CASE(64, 8, 1)
+        CASE(64, 1, 0)
+        CASE(64, 2, 0)
+        CASE(64, 3, 0)
+        CASE(64, 4, 0)
+        CASE(64, 8, 0)
+        CASE(128, 1, 1)
+        CASE(128, 2, 1)
+        CASE(128, 3, 1)
+        CASE(128, 4, 1)
+        CASE(128, 8, 1)
+        CASE(128, 1, 0)
+        CASE(128, 2, 0)
+        CASE(128, 3, 0)
+        CASE(128, 4, 0)
+        CASE(128, 8, 0)
+#undef CASE
+    return attend_any;
+}
+
+/* One call, its arguments as 21 int64 values in a (one ctypes argument: 22 separate ones cost ~5 us per call):
+ *   a = {G, nq, nkv, d, L, q, qs0, qs1, k, ks0, ks1, ks2, v, vs0, vs1, vs2, lens, out, os0, os1, bf16}
+ * q [G][nq][d] (strides qs0, qs1), k and v [G][nkv][L][d] (strides ks0, ks1, ks2 and vs0, vs1, vs2), out [G][nq][d]
+ * (strides os0, os1); pointers as integers, strides in elements, every last dimension contiguous. lens: address of
+ * int64 [G], row g attending to its first lens[g] positions (1 <= lens[g] <= L), or 0 for all L. bf16: 1 if q, k,
+ * v and out are bf16, 0 if fp32. Returns 0, or -1 for a shape it does not take (d not a multiple of 16 or over
+ * MAXD (of 32 for bf16), nq not a multiple of nkv, more than MAXREP query heads per KV head, a length out of range). */
+int loom_decode_attention(const int64_t* a, float scale) {
+    const int64_t G = a[0], nq = a[1], nkv = a[2], d = a[3], L = a[4];
+    const char *q = (const char*)a[5], *k = (const char*)a[8], *v = (const char*)a[12];
+    const int64_t qs0 = a[6], qs1 = a[7], ks0 = a[9], ks1 = a[10], ks2 = a[11], vs0 = a[13], vs1 = a[14], vs2 = a[15];
+    const int64_t* lens = (const int64_t*)a[16];
+    char* out = (char*)a[17];
+    const int64_t os0 = a[18], os1 = a[19];
+    const int bf16 = (int)a[20];
+    if (d % (bf16 ? 2 * VW : VW) || d > MAXD || nkv <= 0 || nq % nkv || nq / nkv > MAXREP || L < 1) return -1;
+    for (int64_t g = 0; lens && g < G; g++)
+        if (lens[g] < 1 || lens[g] > L) return -1;
+    const int rep = (int)(nq / nkv);
+    const int64_t esz = bf16 ? 2 : 4;
+    const attend_fn fn = pick(d, rep, bf16);
+#ifdef _OPENMP
+#pragma omp parallel for schedule(static) if (G * nkv > 1)
+#endif
+    for (int64_t it = 0; it < G * nkv; it++) {
+        const int64_t g = it / nkv, h = it % nkv;
+        fn(q + (g * qs0 + h * rep * qs1) * esz, qs1, k + (g * ks0 + h * ks1) * esz, ks2, v + (g * vs0 + h * vs1) * esz,
+           vs2, lens ? lens[g] : L, scale, out + (g * os0 + h * rep * os1) * esz, os1, (int)d, rep, bf16);
+    }
+    return 0;
+}

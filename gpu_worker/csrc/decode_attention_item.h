@@ -1,0 +1,125 @@
+/* One work item of csrc/decode_attention.c, a (row, KV head), as a function template: included once per shape with
+ *   ATT_NAME  the function's name
+ *   ATT_D     head_dim (a multiple of 16), or `d` for any
+ *   ATT_REP   query heads per KV head, or `rep` for any
+ *   ATT_BF    1 for bf16 q/k/v/out, 0 for fp32, or `bf16` for either
+ *   ATT_DCAP, ATT_REPCAP  array sizes: the constants themselves, or MAXD and MAXREP for the general version.
+ * With constant sizes the accumulators are fixed-size arrays indexed by constants, which the compiler keeps in
+ * vector registers (a variable-length array would live on the stack).
+ * q: REP heads at head stride qsh; k/v: keys at stride ks/vs; len keys; out: REP heads at stride osh. */
+static void ATT_NAME(const void* q, int64_t qsh, const void* k, int64_t ks, const void* v, int64_t vs, int64_t len,
+                     float scale, void* out, int64_t osh, int d, int rep, int bf16) {
+    (void)d, (void)rep, (void)bf16; /* the general version reads them; the constant versions do not */
+    enum { CC = ATT_DCAP / VW };
+    const int D = ATT_D, REP = ATT_REP, BF = ATT_BF, C = D / VW;
+    const int dot = HAVE_BF16_DOT && BF && D % 32 == 0; /* q . k on vdpbf16ps straight from bf16 */
+    float kf[16 * ATT_DCAP];   /* 16 keys as fp32 (the path without vdpbf16ps) */
+    float sc[ATT_REPCAP * BK]; /* scores, then probabilities, of one block of keys */
+    v16 qf[ATT_REPCAP][CC], acc[ATT_REPCAP][CC];
+    float m[ATT_REPCAP], l[ATT_REPCAP];
+    for (int i = 0; i < REP; i++) {
+        for (int c = 0; c < C; c++) qf[i][c] = ldx(q, i * qsh + c * VW, BF), acc[i][c] = (v16){0};
+        m[i] = -INFINITY, l[i] = 0.f;
+    }
+    for (int64_t j0 = 0; j0 < len; j0 += BK) {
+        const int nb = (int)(len - j0 < BK ? len - j0 : BK);
+        for (int jg = 0; jg < nb; jg += 16) { /* scores of 16 keys at a time (keys past the history score 0) */
+            const int ng = nb - jg < 16 ? nb - jg : 16;
+            if (!dot) {
+                for (int jj = 0; jj < ng; jj++)
+                    for (int c = 0; c < C; c++) {
+                        v16 t = ldx(k, (j0 + jg + jj) * ks + c * VW, BF);
+                        memcpy(kf + jj * D + c * VW, &t, sizeof t);
+                    }
+                if (ng < 16) memset(kf + ng * D, 0, sizeof(float) * (16 - ng) * D);
+            }
+            for (int i = 0; i < REP; i++) {
+                v16 a[16];
+#if HAVE_BF16_DOT
+                if (dot) {
+                    const uint16_t* kh = (const uint16_t*)k + (j0 + jg) * ks;
+                    const uint16_t* qh = (const uint16_t*)q + i * qsh;
+#define DOT_KEY(jj)                                                                                   \
+    do {                                                                                              \
+        __m512 t = _mm512_setzero_ps();                                                               \
+        for (int c = 0; c < D / 32; c++)                                                              \
+            t = _mm512_dpbf16_ps(t, (__m512bh)_mm512_loadu_si512(qh + c * 32),                        \
+                                 (__m512bh)_mm512_loadu_si512(kh + (jj) * ks + c * 32));              \
+        a[jj] = (v16)t;                                                                               \
+    } while (0)
+                    if (ng == 16)
+                        for (int jj = 0; jj < 16; jj++) DOT_KEY(jj);
+                    else
+                        for (int jj = 0; jj < 16; jj++) {
+                            a[jj] = (v16){0};
+                            if (jj < ng) DOT_KEY(jj);
+                        }
+#undef DOT_KEY
+                } else
+#endif
+                    for (int jj = 0; jj < 16; jj++) {
+                        v16 t = qf[i][0] * ldf(kf + jj * D);
+                        for (int c = 1; c < C; c++) t += qf[i][c] * ldf(kf + jj * D + c * VW);
+                        a[jj] = t;
+                    }
+                v16 s = reduce16(a) * scale;
+                memcpy(sc + i * BK + jg, &s, sizeof s);
+            }
+        }
+        const int nv = (nb + 15) & ~15;
+        for (int i = 0; i < REP; i++) { /* the block's softmax, folded into the running maximum and sum */
+            float* si = sc + i * BK;
+            for (int j = nb; j < nv; j++) si[j] = -INFINITY; /* exp -> 0 */
+            v16 mx = ldf(si);
+            for (int j = VW; j < nv; j += VW) {
+                v16 t = ldf(si + j);
+                mx = (v16)(((i32x16)t & (t > mx)) | ((i32x16)mx & ~(t > mx)));
+            }
+            float bm = mx[0];
+            for (int e = 1; e < VW; e++) bm = mx[e] > bm ? mx[e] : bm;
+            float mn = bm > m[i] ? bm : m[i];
+            float corr = expf(m[i] - mn); /* 0 on the first block (m = -inf) */
+            v16 sum = (v16){0};
+            for (int j = 0; j < nv; j += VW) {
+                v16 p = vexp(ldf(si + j) - mn);
+                memcpy(si + j, &p, sizeof p);
+                sum += p;
+            }
+            l[i] = l[i] * corr + hsum(sum);
+            m[i] = mn;
+            for (int c = 0; c < C; c++) acc[i][c] *= corr;
+        }
+        for (int j = 0; j < nb; j++) { /* P.V */
+            v16 vr[CC];
+            if (BF) /* 32 bf16 -> even and odd elements as fp32 in two shifts: acc[i][2c] holds even dims, 2c + 1 odd */
+                for (int c = 0; c < C; c += 2) {
+                    u32x16 x;
+                    memcpy(&x, (const uint16_t*)v + (j0 + j) * vs + c * VW, sizeof x);
+                    vr[c] = (v16)(x << 16), vr[c + 1] = (v16)(x & 0xffff0000u);
+                }
+            else
+                for (int c = 0; c < C; c++) vr[c] = ldf((const float*)v + (j0 + j) * vs + c * VW);
+            for (int i = 0; i < REP; i++) {
+                float p = sc[i * BK + j];
+                for (int c = 0; c < C; c++) acc[i][c] += p * vr[c];
+            }
+        }
+    }
+    for (int i = 0; i < REP; i++) {
+        float inv = 1.f / l[i];
+        if (BF)
+            for (int c = 0; c < C; c += 2) sth2((uint16_t*)out + i * osh + c * VW, acc[i][c] * inv, acc[i][c + 1] * inv);
+        else
+            for (int c = 0; c < C; c++) {
+                v16 o = acc[i][c] * inv;
+                memcpy((float*)out + i * osh + c * VW, &o, sizeof o);
+            }
+    }
+}
+
+#undef ATT_NAME
+#undef ATT_D
+#undef ATT_REP
+#undef ATT_BF
+#undef ATT_DCAP
+#undef ATT_REPCAP

@@ -1,0 +1,173 @@
+"""Decode attention in C (``csrc/decode_attention.c``): one new query token per row against its KV history.
+
+PyTorch's SDPA on CPU costs 30-70 us per call for one query row, and at 32 rows of ~256 positions with a padding
+mask about 1 ms per layer on a 2-core CPU, several times what streaming K and V once takes. The C kernel reads
+each (row, KV head)'s keys and values once for all its query heads, with an online softmax in fp32; rows of
+different lengths need no mask, only their lengths. Whether it is used is measured once per machine against
+SDPA (:func:`choose_decode_attention`), like Loom's other kernels.
+
+Numerics: fp32 scores, softmax and accumulation (SDPA's CPU kernel rounds bf16 probabilities before P.V), so the
+result is at least as close to an fp32 reference; it differs from SDPA's by rounding only.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import threading
+from collections.abc import Callable
+from functools import cache
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from gpu_worker.native_build import CSRC, load_library
+
+log = logging.getLogger(__name__)
+
+SOURCE = CSRC / "decode_attention.c"
+MAX_HEAD_DIM = 256
+MAX_GROUP = 16  # query heads per KV head
+_ARGS = ctypes.c_int64 * 21  # the C function's argument block (see csrc/decode_attention.c)
+_per_thread = threading.local()  # one argument block per thread, filled in place: a new one per call costs ~2 us
+
+# why the last load_decode_attention(cache_dir) has no kernel, or runs it single-threaded ("" = built with OpenMP)
+LOAD_NOTES: dict[Path, str] = {}
+
+DecodeAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None", float], torch.Tensor]
+
+
+@cache
+def load_decode_attention(cache_dir: Path) -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+    """The ``loom_decode_attention`` C function (argtypes set), built into ``cache_dir`` on first use; None (the
+    reason logged and kept in ``LOAD_NOTES[cache_dir]``) where no compiler works."""
+    lib, note = load_library(SOURCE, cache_dir)
+    LOAD_NOTES[cache_dir] = note
+    if lib is None:
+        log.info("C decode attention unavailable: %s", note)
+        return None
+    if note:
+        log.warning("C decode attention runs %s", note)
+    fn = lib.loom_decode_attention
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_float]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def supports(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """Whether the kernel takes these shapes and dtypes (else the caller uses SDPA): CPU, fp32 or bf16 alike,
+    head_dim a multiple of 16 (32 for bf16) up to 256, at most 16 query heads per KV head."""
+    nq, nkv, d = q.shape[1], k.shape[1], q.shape[2]
+    return (
+        q.device.type == "cpu"
+        and q.dtype in (torch.float32, torch.bfloat16)
+        and k.dtype == q.dtype
+        and d % (32 if q.dtype == torch.bfloat16 else 16) == 0
+        and d <= MAX_HEAD_DIM
+        and nq % nkv == 0
+        and nq // nkv <= MAX_GROUP
+    )
+
+
+def decode_attention(
+    fn: ctypes._CFuncPtr,  # type: ignore[name-defined]
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    lengths: torch.Tensor | None,
+    scale: float,
+) -> torch.Tensor:
+    """Softmax attention of ``q [G, nq, d]`` over ``k``/``v [G, nkv, L, d]`` -> ``[G, nq, d]`` in ``q.dtype``.
+
+    Query head ``h`` reads KV head ``h // (nq / nkv)`` (grouped-query attention, SDPA's ``enable_gqa``). Row ``g``
+    attends to its first ``lengths[g]`` positions (``[G]`` int64; None: all ``L``). Any strides whose last
+    dimension is contiguous (a view of the decode mirror, a transposed gather); fp32 or bf16, all alike.
+
+    Raises:
+        ValueError: a shape, dtype or length the kernel does not take (see :func:`supports`).
+    """
+    g, nq, d = q.shape
+    nkv, length = k.shape[1], k.shape[2]
+    if not supports(q, k) or v.dtype != q.dtype or v.shape != k.shape or k.shape[0] != g:
+        raise ValueError(f"C decode attention: q {q.dtype} {tuple(q.shape)}, k {k.dtype} {tuple(k.shape)}")
+    if q.stride(2) != 1:
+        q = q.contiguous()
+    if k.stride(3) != 1:
+        k = k.contiguous()
+    if v.stride(3) != 1:
+        v = v.contiguous()
+    lens = None if lengths is None else lengths.to(torch.int64).contiguous()
+    out = torch.empty(g, nq, d, dtype=q.dtype)
+    args = getattr(_per_thread, "args", None)
+    if args is None:
+        args = _per_thread.args = _ARGS()
+    args[:] = (g, nq, nkv, d, length, q.data_ptr(), q.stride(0), q.stride(1),
+               k.data_ptr(), k.stride(0), k.stride(1), k.stride(2), v.data_ptr(), v.stride(0), v.stride(1), v.stride(2),
+               0 if lens is None else lens.data_ptr(), out.data_ptr(), out.stride(0), out.stride(1),
+               int(q.dtype == torch.bfloat16))  # fmt: skip
+    if fn(ctypes.addressof(args), scale):
+        shown = "all" if lens is None else lens.tolist()[:8]
+        raise ValueError(f"C decode attention refused lengths {shown} (L = {length}) or its shapes")
+    return out
+
+
+def sdpa_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor | None, scale: float):
+    """The same as :func:`decode_attention` through PyTorch's SDPA (a padding mask for unequal lengths)."""
+    mask = None
+    if lengths is not None:
+        mask = (torch.arange(k.shape[2])[None, :] < lengths[:, None])[:, None, None, :]
+    out = F.scaled_dot_product_attention(q[:, :, None, :], k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    return out[:, :, 0, :]
+
+
+def _faster_than_sdpa(fn: ctypes._CFuncPtr) -> tuple[bool, str]:  # type: ignore[name-defined]
+    """Time the kernel against SDPA at 1 row of 128 positions and 16 rows of ~256 (a mask), bf16, SmolLM2's heads
+    (9 query, 3 KV, 64 dims); faster at both by 1.1x -> True, with a line of the timings."""
+    from gpu_worker.timing import best_time
+
+    gen = torch.Generator().manual_seed(0)
+    parts, wins = [], True
+    for rows, length in ((1, 128), (16, 256)):
+        q = torch.randn(rows, 9, 64, generator=gen).to(torch.bfloat16)
+        k = torch.randn(rows, 3, length, 64, generator=gen).to(torch.bfloat16)
+        v = torch.randn(rows, 3, length, 64, generator=gen).to(torch.bfloat16)
+        lens = torch.randint(length // 2, length + 1, (rows,), generator=gen) if rows > 1 else None
+        t_c = best_time(lambda: [decode_attention(fn, q, k, v, lens, 0.125) for _ in range(10)], 5)  # noqa: B023
+        t_s = best_time(lambda: [sdpa_decode(q, k, v, lens, 0.125) for _ in range(10)], 5)  # noqa: B023
+        parts.append(f"{rows} x {length}: C {t_c * 1e5:.0f} us, SDPA {t_s * 1e5:.0f} us")
+        wins = wins and t_c * 1.1 < t_s
+    return wins, "; ".join(parts)
+
+
+def as_callable(fn: ctypes._CFuncPtr) -> DecodeAttention:  # type: ignore[name-defined]
+    """``fn`` as the ``(q, k, v, lengths, scale) -> out`` callable :class:`~gpu_worker.model.LlamaShard` takes."""
+
+    def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor | None, scale: float):
+        return decode_attention(fn, q, k, v, lengths, scale)
+
+    return run
+
+
+def choose_decode_attention(cache_dir: Path, group: object | None = None) -> tuple[DecodeAttention | None, str]:
+    """The C decode attention as a callable ``(q, k, v, lengths, scale) -> out`` where it is faster than SDPA on
+    this machine (measured once, cached), else None; with a line saying why. TP ranks agree (all or none)."""
+    fn = load_decode_attention(cache_dir / "kernels")
+    use, how = False, f"unavailable: {LOAD_NOTES.get(cache_dir / 'kernels', '')}"
+    if fn is not None:
+        from gpu_worker.timing import cached_choice
+
+        key = f"{torch.__version__}|{hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:16]}"
+        use, how = cached_choice(cache_dir / "kernel-choice", "decode-attention", key, lambda: _faster_than_sdpa(fn))
+    if group is not None:
+        import torch.distributed as dist
+
+        vote = torch.tensor([int(use)])
+        dist.all_reduce(vote, op=dist.ReduceOp.MIN, group=group)
+        if use and not vote.item():
+            how += "; another TP rank keeps SDPA"
+        use = bool(vote.item())
+    if not use or fn is None:
+        return None, f"decode attention on SDPA (C kernel {how if fn is None else 'not faster: ' + how})"
+    return as_callable(fn), f"decode attention on the C kernel ({how})"
