@@ -2,7 +2,7 @@
 """One worker's decode step in-process (no sockets, no scheduler): where a step's time goes.
 
     python bench/decode_step.py [--batch 32] [--context 256] [--dtype bfloat16] [--lora 0] [--steps 20]
-                                [--lora-backend auto|cpu-sgmv|torch]
+                                [--lora-backend auto|cpu-sgmv|torch] [--attn-ab] [--ops-ab] [--int4-ab]
 
 Prefills ``--batch`` requests of ``--context`` tokens each (random token ids, lengths spread +-25% so rows
 differ), then times ``--steps`` decode steps of the whole batch and prints the median step time and tok/s.
@@ -62,6 +62,12 @@ def main() -> None:
         action="store_true",
         help="blocks of 5 steps in turns with decode attention on the C kernel as chosen at start-up and on SDPA "
         "(gpu_worker/decode_attention.py)",
+    )
+    p.add_argument(
+        "--ops-ab",
+        action="store_true",
+        help="blocks of 5 steps in turns with the fused C layer ops (add + RMSNorm, rotary + KV write, SiLU * up) and "
+        "with PyTorch's ops (gpu_worker/layer_ops.py)",
     )
     a = p.parse_args()
     import msgspec
@@ -142,6 +148,8 @@ def main() -> None:
     if a.attn_ab:
         print(f"C decode attention chosen at start-up: {chosen_attn is not None}")
     by_attn: dict[str, list[float]] = {"c": [], "sdpa": []}
+    chosen_ops = w.model.layer_ops
+    by_ops: dict[str, list[float]] = {"c": [], "torch": []}
     mirror = w.decode_mirror
     if a.mirror == "off":
         w.decode_mirror = None
@@ -164,11 +172,16 @@ def main() -> None:
         if a.attn_ab:
             attn = "c" if (k - 1) // 5 % 2 == 0 else "sdpa"
             w.model.decode_attn = chosen_attn if attn == "c" else None
+        if a.ops_ab:
+            ops = "c" if (k - 1) // 5 % 2 == 0 else "torch"
+            w.model.layer_ops = chosen_ops if ops == "c" else None
         t = time.perf_counter()
         step(k)
         times.append(time.perf_counter() - t)
         if a.int4_ab and (k - 1) % 5:
             by_int4[kern].append(times[-1])
+        if a.ops_ab and (k - 1) % 5:
+            by_ops[ops].append(times[-1])
         if a.attn_ab and (k - 1) % 5:
             by_attn[attn].append(times[-1])
         if a.mirror == "ab" and (k - 1) % 5:
@@ -187,6 +200,9 @@ def main() -> None:
         amx_ms, torch_ms = (statistics.median(by_int4[m]) * 1e3 for m in ("amx", "torch"))
         speedup = torch_ms / amx_ms
         print(f"4-bit batches: AMX kernel {amx_ms:.1f} ms, torch only {torch_ms:.1f} ms per step: {speedup:.2f}x")
+    if a.ops_ab:
+        c_ms, torch_ms = (statistics.median(by_ops[m]) * 1e3 for m in ("c", "torch"))
+        print(f"layer ops: C {c_ms:.1f} ms, PyTorch {torch_ms:.1f} ms per step: {torch_ms / c_ms:.2f}x")
     if a.attn_ab:
         c_ms, sdpa_ms = (statistics.median(by_attn[m]) * 1e3 for m in ("c", "sdpa"))
         print(f"decode attention: C kernel {c_ms:.1f} ms, SDPA {sdpa_ms:.1f} ms per step: {sdpa_ms / c_ms:.2f}x")

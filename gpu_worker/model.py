@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from gpu_worker.decode_attention import DecodeAttention
 from gpu_worker.decode_mirror import MirrorUse, mirrored_kv
 from gpu_worker.kv_cache import KVCache
+from gpu_worker.layer_ops import LayerOps
 from gpu_worker.packed_linear import PackedLinear
 from gpu_worker.quant import QuantLinear
 from gpu_worker.timing import best_time
@@ -153,6 +154,8 @@ class LlamaShard:
         self.upcast_min_rows = _bf16_upcast_threshold(norm)
         # the C decode attention (gpu_worker.decode_attention) where the worker found it faster than SDPA
         self.decode_attn: DecodeAttention | None = None
+        # the small per-layer operations fused in C (gpu_worker.layer_ops), set by the worker on CPU
+        self.layer_ops: LayerOps | None = None
         # vocab-parallel head at TP > 1: this rank's rows only (views), joined by one all-reduce per step
         self.vocab = cfg.vocab_size
         self.vocab_lo, self.vocab_hi = vocab_range(cfg.vocab_size, self.tp, plan.rank)
@@ -258,33 +261,55 @@ class LlamaShard:
         emb = w["embed"]
         x = F.embedding(s.input_ids, emb) if isinstance(emb, torch.Tensor) else emb.rows(s.input_ids, self.dtype)
         cos, sin = self._rope(s.positions, x.dtype)
+        ops = self.layer_ops
+        if ops is not None and not (ops.takes(x, cfg.hidden_size) and d % 32 == 0 and self.ffn_local % 16 == 0):
+            ops = None
+        pending = None  # the previous layer's MLP output, added to x by the next layer's norm
         for i, lw in enumerate(w["layers"]):
-            h = rms_norm(x, lw["input_norm"], cfg.rms_norm_eps)
+            if ops is not None:
+                h = ops.add_rms_norm(x, pending, lw["input_norm"], cfg.rms_norm_eps)  # x += pending in place
+            else:
+                x = x if pending is None else x + pending
+                h = rms_norm(x, lw["input_norm"], cfg.rms_norm_eps)
             qkv = self._mm(h, lw["qkv"])
             if lora is not None:
                 lora.add(i, "qkv", h, qkv)
-            # rotary on q and k together (adjacent in qkv): [T, nq + nkv, d]
-            qk = qkv[:, : (nq + nkv) * d].view(-1, nq + nkv, d)
-            qk = qk * cos + qk.roll(d // 2, dims=-1) * sin
-            q, k = qk[:, :nq], qk[:, nq:]
+            if ops is not None and qkv.stride(1) == 1:  # rotary in place on q and k, then K/V into the cache
+                ops.rope_store(qkv, (nq, nkv, d), cos[:, 0], sin[:, 0], kv.k[i], kv.v[i], s.out_slots)
+                q = qkv[:, : nq * d].view(-1, nq, d)
+                k = qkv[:, nq * d : (nq + nkv) * d].view(-1, nkv, d)
+            else:  # rotary on q and k together (adjacent in qkv): [T, nq + nkv, d]
+                qk = qkv[:, : (nq + nkv) * d].view(-1, nq + nkv, d)
+                qk = qk * cos + qk.roll(d // 2, dims=-1) * sin
+                q, k = qk[:, :nq], qk[:, nq:]
             v = qkv[:, (nq + nkv) * d :].view(-1, nkv, d)
-            kv.k[i].index_copy_(0, s.out_slots, k)
-            kv.v[i].index_copy_(0, s.out_slots, v)
+            if ops is None or qkv.stride(1) != 1:
+                kv.k[i].index_copy_(0, s.out_slots, k)
+                kv.v[i].index_copy_(0, s.out_slots, v)
             a = self._attention(s, q, k, v, kv, i)
             o = self._mm(a, lw["o"])
             if lora is not None:
                 lora.add(i, "o", a, o)
-            x = x + self._all_reduce(o)
-            h = rms_norm(x, lw["post_norm"], cfg.rms_norm_eps)
+            o = self._all_reduce(o)
+            if ops is not None and o.stride(1) == 1:
+                h = ops.add_rms_norm(x, o, lw["post_norm"], cfg.rms_norm_eps)
+            else:
+                x = x + o
+                h = rms_norm(x, lw["post_norm"], cfg.rms_norm_eps)
             gu = self._mm(h, lw["gate_up"])
             if lora is not None:
                 lora.add(i, "gate_up", h, gu)
-            gate, up = gu.split([self.ffn_local, self.ffn_local], dim=-1)
-            m = F.silu(gate) * up
+            if ops is not None and gu.stride(1) == 1:
+                m = ops.silu_mul(gu, self.ffn_local)
+            else:
+                gate, up = gu.split([self.ffn_local, self.ffn_local], dim=-1)
+                m = F.silu(gate) * up
             dn = self._mm(m, lw["down"])
             if lora is not None:
                 lora.add(i, "down", m, dn)
-            x = x + self._all_reduce(dn)
+            pending = self._all_reduce(dn)
+        if pending is not None:
+            x = x + pending
         last = x if s.every_token_last else x[s.last_token_index]
         last = rms_norm(last, w["norm"], cfg.rms_norm_eps)
         if self.tp == 1:

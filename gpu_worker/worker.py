@@ -152,12 +152,24 @@ class Worker:
 
     def _choose_decode_attention(self, group: object | None) -> None:
         """On CPU, decode attention on the C kernel (``gpu_worker.decode_attention``) where it is faster than SDPA
-        on this machine (measured once, the same on every TP rank); logs the choice."""
+        on this machine (measured once, the same on every TP rank), and the fused layer ops
+        (``gpu_worker.layer_ops``) where they build; logs the choices."""
         if self.device.type != "cpu":
             return
         from gpu_worker.decode_attention import choose_decode_attention
+        from gpu_worker.layer_ops import layer_ops
 
         self.model.decode_attn, how = choose_decode_attention(cache_root(), group)
+        log.info("rank %d: %s", self.rank, how)
+        ops, how = layer_ops(cache_root())
+        if group is not None:  # every rank keeps an identical copy of the residual stream: the same ops on all
+            import torch.distributed as dist
+
+            vote = torch.tensor([int(ops is not None)])
+            dist.all_reduce(vote, op=dist.ReduceOp.MIN, group=group)
+            if ops is not None and not vote.item():
+                ops, how = None, "layer ops on PyTorch (another TP rank has no C library)"
+        self.model.layer_ops = ops
         log.info("rank %d: %s", self.rank, how)
 
     def _choose_int4_batch_kernel(self, group: object | None) -> None:
