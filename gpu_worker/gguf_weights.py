@@ -4,8 +4,8 @@
 sliced for the rank (whole 32-weight blocks only), put back in Hugging Face's rotary row order (q/k), and
 repacked once for the 4-bit CPU kernel (see ``gpu_worker.quant``). ``F32``/``F16``/``BF16`` tensors (norms,
 unquantised matrices) load as dense tensors. The layout of the returned dict is that of
-``gpu_worker.weights.load_shard``; matrices are ``Int4Linear`` (or dense tensors), the embedding a
-``GGUFEmbedding`` (rows read from the file on demand).
+``gpu_worker.weights.load_shard``; matrices are ``Int4Linear`` (or dense tensors), a ``Q8_0`` LM head a
+``Q8Linear`` where Loom's 8-bit kernels build, the embedding a ``GGUFEmbedding`` (rows read from the file on demand).
 """
 
 from __future__ import annotations
@@ -76,6 +76,19 @@ def _fuse(parts: list[_Part], dtype: torch.dtype, device: torch.device):
     # mixed block kinds inside one fused projection (rare): dequantise the pieces of this one projection
     dense = [_dequant(p) for p in parts]
     return cat(dense).to(device=device, dtype=dtype).contiguous()
+
+
+def _head(p: _Part, dtype: torch.dtype, device: torch.device):
+    """The LM head: a ``Q8_0`` head on Loom's 8-bit kernels (:class:`gpu_worker.q8_linear.Q8Linear`: each weight read
+    once) where they build on this CPU, else as :func:`_fuse` makes any linear (two 4-bit halves for ``Q8_0``)."""
+    if p.kind == "q8" and device.type == "cpu":
+        from gpu_worker.q8_linear import Q8Linear, load_q8
+        from ipc.model_source import cache_root
+
+        lib = load_q8(cache_root() / "kernels")
+        if lib is not None:
+            return Q8Linear(torch.from_numpy(np.ascontiguousarray(p.q)), torch.from_numpy(p.scale), lib)
+    return _fuse([p], dtype, device)
 
 
 def _dequant(p: _Part) -> np.ndarray:
@@ -173,7 +186,7 @@ def load_gguf_shard(gguf: Path, cfg: ModelConfig, plan: ShardPlan, dtype: torch.
         "layers": layers,
         "embed": _embedding(r, dtype, device),
         "norm": r.dense("output_norm.weight", (h,), dtype, device),
-        "lm_head": _fuse([head], dtype, device),
+        "lm_head": _head(head, dtype, device),
     }
     del r  # drop the file's memory map, so its pages leave this process's RSS
     return out

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from gpu_worker.q8_linear import Q8Linear
 from gpu_worker.quant import Int4Linear, Int8Linear
 
 ROW_ALIGN = 64  # row boundaries fall on multiples of this, where a 4-bit head can be cut (Int4Linear.out_rows)
@@ -26,10 +27,14 @@ def vocab_range(vocab: int, tp_size: int, rank: int) -> tuple[int, int]:
     return lo, min(lo + share, vocab)
 
 
-def head_rows(w: torch.Tensor | Int4Linear | Int8Linear, lo: int, hi: int) -> torch.Tensor | Int4Linear | Int8Linear:
-    """Rows ``[lo, hi)`` of an LM head, sharing its values (views; a 4-bit head copies only its scales).
+Head = torch.Tensor | Int4Linear | Int8Linear | Q8Linear
+
+
+def head_rows(w: Head, lo: int, hi: int) -> Head:
+    """Rows ``[lo, hi)`` of an LM head, sharing its values (views; a 4- or 8-bit head copies only its scales).
 
     Raises:
-        QuantizationError (a ValueError): a 4-bit head cut at a row that is not a multiple of :data:`ROW_ALIGN`.
+        ValueError (QuantizationError for 4 bits): a 4- or 8-bit head cut at a row that is not a multiple of
+            :data:`ROW_ALIGN`.
     """
     return w[lo:hi] if isinstance(w, torch.Tensor) else w.out_rows(lo, hi)

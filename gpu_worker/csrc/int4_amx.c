@@ -14,23 +14,23 @@
  * (16 x 16 x 32 MACs per instruction) against both parts, accumulating in fp32 over all of K. At one row PyTorch's kernel stays faster, so the caller picks by
  * batch size. Threads: OpenMP over the 64-row blocks of W (torch's libgomp, one pool).
  */
-#include <stdlib.h>
-
 #include "loom_cpu.h"
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
 #define HAVE_AMX 1
-/* tiles (amx_config(6)): 0-3: C, 16 rows of x by 16 outputs (fp32); 4: 16 rows of x by 32 inputs (bf16);
- * 5: 16 input pairs by 16 outputs (bf16 pairs) */
+#else
+#define HAVE_AMX 0
+#endif
+#include "amx_gemm.h"
 
-/* Dequantise the 64-row block nb of W over all K into bt [G][8][16 pairs][16 rows][2] bf16: for each group, the
- * B tiles (pairs of inputs 2p, 2p + 1 side by side per output row) of the four 16-row quarters, first the weight's
- * top 16 bits (hi), then the top 16 bits of what is left (lo = w - hi, exact in fp32); hi + lo holds w to 16 bits. */
-static void build_b(const uint8_t* packed, const uint16_t* sz, int64_t nb, int64_t K, int64_t N_pad, uint16_t* bt) {
+#if HAVE_AMX
+/* Dequantise the 64-row block nb of W over all K into the hi/lo B tiles bt of amx_gemm.h */
+static void build_b(const void* packed_, const void* sz_, int64_t nb, int64_t K, int64_t N_pad, uint16_t* bt) {
+    const uint8_t* packed = packed_;
+    const uint16_t* sz = sz_;
     const int64_t G = K / 32;
     const __m512 lut = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7); /* q - 8, exact */
     const __m512i lo4 = _mm512_set1_epi32(15);
-    const __m512i top = _mm512_set1_epi32((int)0xFFFF0000u);
     for (int64_t g = 0; g < G; g++) {
         __m512 sc[4], zr[4];
         for (int s = 0; s < 4; s++) { /* rows nb*64 + 16s .. + 16: (scale, zero) bf16 pairs -> two fp32 vectors */
@@ -48,43 +48,10 @@ static void build_b(const uint8_t* packed, const uint16_t* sz, int64_t nb, int64
                                 _mm512_srli_epi32(b1, 4)};
                 for (int s = 0; s < 4; s++) w[h][s] = _mm512_fmadd_ps(_mm512_permutexvar_ps(q[s], lut), sc[s], zr[s]);
             }
-            for (int s = 0; s < 4; s++) {
-                /* hi = the top 16 bits of each fp32 weight (a bf16, truncated), lo = the exact rest, truncated to
-                 * bf16 too: hi + lo keeps 16 of the weight's 24 bits. A VNNI pair dword is (w[2p+1] bits & top) |
-                 * (w[2p] bits >> 16); vpternlogd does the select (0xCA: top ? w[2p+1] : w[2p] >> 16, bitwise). */
-                __m512i w0 = _mm512_castps_si512(w[0][s]), w1 = _mm512_castps_si512(w[1][s]);
-                __m512i h0 = _mm512_and_si512(w0, top), h1 = _mm512_and_si512(w1, top);
-                __m512i l0 = _mm512_castps_si512(_mm512_sub_ps(w[0][s], _mm512_castsi512_ps(h0)));
-                __m512i l1 = _mm512_castps_si512(_mm512_sub_ps(w[1][s], _mm512_castsi512_ps(h1)));
-                __m512i hi = _mm512_ternarylogic_epi32(top, w1, _mm512_srli_epi32(w0, 16), 0xCA);
-                __m512i lo = _mm512_ternarylogic_epi32(top, l1, _mm512_srli_epi32(l0, 16), 0xCA);
-                _mm512_storeu_si512(bt + ((g * 8 + s) * 16 + p) * 32, hi);
-                _mm512_storeu_si512(bt + ((g * 8 + 4 + s) * 16 + p) * 32, lo);
-            }
+            pack_pairs(w, g, p, bt);
         }
     }
 }
-/* tile ops of quarter s (tile s) for one group: C_s += x . hi_s + x . lo_s, B tiles at b (tiles 4: x, 5: B) */
-#define HI_LO(s)                             \
-    _tile_loadd(5, b + (s) * 512, 64);       \
-    _tile_dpbf16ps(s, 4, 5);                 \
-    _tile_loadd(5, b + (4 + (s)) * 512, 64); \
-    _tile_dpbf16ps(s, 4, 5)
-
-/* A buffer of at least n bytes kept per thread across calls (OpenMP's threads persist): the B tiles of a 64-row
- * block are up to 400 KB, and a fresh malloc that large is an mmap with page faults on every call. */
-static void* thread_buffer(void** buf, size_t* cap, size_t n) {
-    if (*cap < n) {
-        free(*buf);
-        *buf = aligned_alloc(64, (n + 63) / 64 * 64);
-        *cap = *buf ? n : 0;
-    }
-    return *buf;
-}
-static __thread void *bt_buf, *xb_buf;
-static __thread size_t bt_cap, xb_cap;
-#else
-#define HAVE_AMX 0
 #endif
 
 /* Entry point. x [M, K] (row stride x_stride elements; bf16 if x_bf16 else fp32), out [M, n_out] (row stride
@@ -95,61 +62,7 @@ int loom_int4_amx(int64_t M, int64_t N_pad, int64_t K, const void* x, int64_t x_
 #if HAVE_AMX
     if (N_pad % 64 || K % 32 || K <= 0 || M < 0 || n_out > N_pad) return 1;
     if (M == 0 || n_out == 0) return 0;
-    if (!amx_enable()) return 3;
-    const int64_t Mp = (M + 15) / 16 * 16, G = K / 32;
-    uint16_t* xb = thread_buffer(&xb_buf, &xb_cap, (size_t)(Mp * K * 2)); /* x as bf16, rows past M zero */
-    if (!xb) return 2;
-    for (int64_t i = 0; i < M; i++)
-        for (int64_t k = 0; k < K; k++)
-            xb[i * K + k] = x_bf16 ? ((const uint16_t*)x)[i * x_stride + k] : f32_to_bf16(((const float*)x)[i * x_stride + k]);
-    memset(xb + M * K, 0, (size_t)((Mp - M) * K * 2));
-    int failed = 0;
-#pragma omp parallel
-    {
-        uint16_t* bt = thread_buffer(&bt_buf, &bt_cap, (size_t)(G * 8 * 512 * 2));
-        float cb[16 * 64] __attribute__((aligned(64)));
-        if (bt) amx_config(6);
-        /* every thread reaches the worksharing loop, also one whose buffers failed */
-#pragma omp for schedule(static)
-            for (int64_t nb = 0; nb < N_pad / 64; nb++) {
-                if (!bt) {
-#pragma omp atomic write
-                    failed = 1;
-                    continue;
-                }
-                if (nb * 64 >= n_out) continue;
-                build_b(packed, sz, nb, K, N_pad, bt);
-                for (int64_t m0 = 0; m0 < Mp; m0 += 16) {
-                    _tile_zero(0);
-                    _tile_zero(1);
-                    _tile_zero(2);
-                    _tile_zero(3);
-                    for (int64_t g = 0; g < G; g++) {
-                        const uint16_t* b = bt + g * 8 * 512;
-                        _tile_loadd(4, xb + m0 * K + g * 32, K * 2);
-                        HI_LO(0);
-                        HI_LO(1);
-                        HI_LO(2);
-                        HI_LO(3);
-                    }
-                    _tile_stored(0, cb, 256);
-                    _tile_stored(1, cb + 16, 256);
-                    _tile_stored(2, cb + 32, 256);
-                    _tile_stored(3, cb + 48, 256);
-                    int64_t rows = M - m0 < 16 ? M - m0 : 16, cols = n_out - nb * 64 < 64 ? n_out - nb * 64 : 64;
-                    for (int64_t r = 0; r < rows; r++)
-                        for (int64_t c = 0; c < cols; c++) {
-                            float v = cb[r * 64 + c];
-                            if (out_bf16)
-                                ((uint16_t*)out)[(m0 + r) * out_stride + nb * 64 + c] = f32_to_bf16(v);
-                            else
-                                ((float*)out)[(m0 + r) * out_stride + nb * 64 + c] = v;
-                        }
-                }
-            }
-        if (bt) _tile_release();
-    }
-    return failed ? 2 : 0;
+    return amx_gemm(M, N_pad, K, x, x_stride, x_bf16, out, out_stride, out_bf16, n_out, build_b, packed, sz);
 #else
     (void)M, (void)N_pad, (void)K, (void)x, (void)x_stride, (void)x_bf16, (void)out, (void)out_stride, (void)out_bf16;
     (void)n_out, (void)packed, (void)sz;

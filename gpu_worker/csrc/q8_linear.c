@@ -1,0 +1,144 @@
+/* out[M, N] = x[M, K] @ W^T for an 8-bit weight in groups of 32 along K with one scale per group (GGUF Q8_0:
+ * w = d * q, q an int8), as gpu_worker/q8_linear.py packs it:
+ *   qp [N_pad / 64][K][64] int8: for 64-row block nb and input k, the 64 rows' q side by side;
+ *   d [K / 32][N_pad] bf16: the scale of group g of row n (bf16, so w = q * d is exact in fp32, 16 bits).
+ *
+ * Why: an int8 weight used to go through PyTorch's 4-bit kernel as two 4-bit halves with the input fed twice, so
+ * SmolLM2's tied LM head (49,152 x 576, a third of a token's weight reads at one row) cost twice its MACs. Here:
+ * - loom_q8_gemv, for a few rows: per 64-row block, each input's 64 weights are one 64-byte load, converted to
+ *   fp32 and scaled (exact), then multiply-added into the rows' fp32 accumulators; no horizontal sums.
+ * - loom_q8_amx, for batches on AMX: each 64-row block is dequantised once per call into the hi/lo bf16 tiles of
+ *   amx_gemm.h (hi + lo is the weight exactly, as it has 16 significant bits) and multiplied 16 rows at a time.
+ * Threads: OpenMP over the 64-row blocks (torch's libgomp, one pool).
+ */
+#include "loom_cpu.h"
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define HAVE_AMX 1
+#else
+#define HAVE_AMX 0
+#endif
+#include "amx_gemm.h"
+
+#define GEMV_MAX_ROWS 8
+
+typedef int8_t i8x16 __attribute__((vector_size(16)));
+
+static inline v16 ldq(const int8_t* p) { /* 16 int8 -> fp32 (exact) */
+#ifdef __AVX512F__
+    return (v16)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
+#else /* GCC's generic int8 -> float vector conversion is element by element: widen first */
+    i8x16 q;
+    memcpy(&q, p, sizeof q);
+    return __builtin_convertvector(__builtin_convertvector(q, i32x16), v16);
+#endif
+}
+
+/* rows m < MM of out for 64-row block nb (inlined with constant MM so the accumulators stay in registers) */
+static inline __attribute__((always_inline)) void gemv_block(const float* x, int64_t K, int64_t N_pad, int64_t nb,
+                                                              const int8_t* qp, const uint16_t* d, float acc[][64],
+                                                              const int MM) {
+    v16 a[GEMV_MAX_ROWS][4];
+    for (int m = 0; m < MM; m++)
+        for (int s = 0; s < 4; s++) a[m][s] = (v16){0};
+    for (int64_t g = 0; g < K / 32; g++) {
+        v16 dv[4];
+        for (int s = 0; s < 4; s++) dv[s] = ldh(d + g * N_pad + nb * 64 + 16 * s);
+        for (int64_t k = g * 32; k < g * 32 + 32; k++) {
+            const int8_t* qk = qp + (nb * K + k) * 64;
+            v16 w[4];
+            for (int s = 0; s < 4; s++) w[s] = ldq(qk + 16 * s) * dv[s];
+            for (int m = 0; m < MM; m++) {
+                const float xv = x[m * K + k];
+                for (int s = 0; s < 4; s++) a[m][s] += xv * w[s];
+            }
+        }
+    }
+    for (int m = 0; m < MM; m++)
+        for (int s = 0; s < 4; s++) memcpy(acc[m] + 16 * s, &a[m][s], sizeof(v16));
+}
+
+/* a = {M, N_pad, K, x, out, out_stride, out_bf16, n_out, qp, d}: x fp32 [M][K] contiguous (M <= GEMV_MAX_ROWS),
+ * out [M][n_out] at row stride out_stride (bf16 if out_bf16 else fp32). Returns 0, or 1 for bad arguments (M over
+ * GEMV_MAX_ROWS, N_pad not a multiple of 64, K not of 32, n_out over N_pad). */
+int loom_q8_gemv(const int64_t* a) {
+    const int64_t M = a[0], N_pad = a[1], K = a[2], out_stride = a[5], n_out = a[7];
+    const float* x = (const float*)a[3];
+    void* out = (void*)a[4];
+    const int out_bf16 = (int)a[6];
+    const int8_t* qp = (const int8_t*)a[8];
+    const uint16_t* d = (const uint16_t*)a[9];
+    if (M < 0 || M > GEMV_MAX_ROWS || N_pad % 64 || K % 32 || K <= 0 || n_out > N_pad) return 1;
+    const int64_t blocks = (n_out + 63) / 64;
+#ifdef _OPENMP
+#pragma omp parallel for schedule(static) if (blocks > 1)
+#endif
+    for (int64_t nb = 0; nb < blocks; nb++) {
+        float acc[GEMV_MAX_ROWS][64];
+        switch (M) {
+#define ROWS(R)                                               \
+    case R:                                                   \
+        gemv_block(x, K, N_pad, nb, qp, d, acc, R);           \
+        break;
+            ROWS(1) ROWS(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6) ROWS(7) ROWS(8)
+#undef ROWS
+            default:
+                break;
+        }
+        const int64_t cols = n_out - nb * 64 < 64 ? n_out - nb * 64 : 64;
+        for (int64_t m = 0; m < M; m++)
+            for (int64_t c = 0; c < cols; c++) {
+                if (out_bf16)
+                    ((uint16_t*)out)[m * out_stride + nb * 64 + c] = f32_to_bf16(acc[m][c]);
+                else
+                    ((float*)out)[m * out_stride + nb * 64 + c] = acc[m][c];
+            }
+    }
+    return 0;
+}
+
+#if HAVE_AMX
+/* 64-row block nb of W as the hi/lo B tiles of amx_gemm.h */
+static void build_q8(const void* qp_, const void* d_, int64_t nb, int64_t K, int64_t N_pad, uint16_t* bt) {
+    const int8_t* qp = qp_;
+    const uint16_t* d = d_;
+    for (int64_t g = 0; g < K / 32; g++) {
+        __m512 dv[4];
+        for (int s = 0; s < 4; s++)
+            dv[s] = _mm512_castsi512_ps(_mm512_slli_epi32(
+                _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(d + g * N_pad + nb * 64 + 16 * s))), 16));
+        for (int p = 0; p < 16; p++) {
+            __m512 w[2][4];
+            for (int h = 0; h < 2; h++) {
+                const int8_t* src = qp + (nb * K + g * 32 + 2 * p + h) * 64;
+                for (int s = 0; s < 4; s++)
+                    w[h][s] = _mm512_mul_ps(
+                        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(src + 16 * s)))),
+                        dv[s]);
+            }
+            pack_pairs(w, g, p, bt);
+        }
+    }
+}
+#endif
+
+/* a = {M, N_pad, K, x, x_stride, x_bf16, out, out_stride, out_bf16, n_out, qp, d}: any M, on AMX (see amx_gemm).
+ * Returns 0 = done, 1 = bad arguments, 2 = out of memory, 3 = no AMX (not built in, or the OS refused it). */
+int loom_q8_amx(const int64_t* a) {
+#if HAVE_AMX
+    const int64_t M = a[0], N_pad = a[1], K = a[2], x_stride = a[4], out_stride = a[7], n_out = a[9];
+    if (N_pad % 64 || K % 32 || K <= 0 || M < 0 || n_out > N_pad) return 1;
+    if (M == 0 || n_out == 0) return 0;
+    return amx_gemm(M, N_pad, K, (const void*)a[3], x_stride, (int)a[5], (void*)a[6], out_stride, (int)a[8], n_out,
+                    build_q8, (const void*)a[10], (const void*)a[11]);
+#else
+    (void)a;
+    return 3;
+#endif
+}
