@@ -30,13 +30,13 @@ log = logging.getLogger(__name__)
 SOURCE = CSRC / "decode_attention.c"
 MAX_HEAD_DIM = 256
 MAX_GROUP = 16  # query heads per KV head
-_ARGS = ctypes.c_int64 * 21  # the C function's argument block (see csrc/decode_attention.c)
+_ARGS = ctypes.c_int64 * 22  # the C function's argument block (see csrc/decode_attention.c)
 _per_thread = threading.local()  # one argument block per thread, filled in place: a new one per call costs ~2 us
 
 # why the last load_decode_attention(cache_dir) has no kernel, or runs it single-threaded ("" = built with OpenMP)
 LOAD_NOTES: dict[Path, str] = {}
 
-DecodeAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None", float], torch.Tensor]
+DecodeAttention = Callable[..., torch.Tensor]  # (q, k, v, lengths, scale, index=None) -> out, see decode_attention
 
 
 @cache
@@ -78,35 +78,52 @@ def decode_attention(
     v: torch.Tensor,
     lengths: torch.Tensor | None,
     scale: float,
+    index: torch.Tensor | None = None,
+    check_index: bool = True,
 ) -> torch.Tensor:
-    """Softmax attention of ``q [G, nq, d]`` over ``k``/``v [G, nkv, L, d]`` -> ``[G, nq, d]`` in ``q.dtype``.
+    """Softmax attention of ``q [G, nq, d]`` over each row's keys and values -> ``[G, nq, d]`` in ``q.dtype``.
 
+    Without ``index``, ``k``/``v`` are ``[G, nkv, L, d]`` (any strides whose last dimension is contiguous: a view of
+    the decode mirror, a transposed gather). With ``index`` ``[G, L]`` int64, ``k``/``v`` are the paged cache
+    ``[slots, nkv, d]`` and position ``j`` of row ``g`` is cache row ``index[g, j]``, read in place (no gather).
     Query head ``h`` reads KV head ``h // (nq / nkv)`` (grouped-query attention, SDPA's ``enable_gqa``). Row ``g``
-    attends to its first ``lengths[g]`` positions (``[G]`` int64; None: all ``L``). Any strides whose last
-    dimension is contiguous (a view of the decode mirror, a transposed gather); fp32 or bf16, all alike.
+    attends to its first ``lengths[g]`` positions (``[G]`` int64; None: all ``L``). fp32 or bf16, all alike.
+    ``check_index=False`` skips checking that ``index`` stays inside the cache (for a caller that checked it once
+    for all layers: a row outside would be read out of bounds).
 
     Raises:
-        ValueError: a shape, dtype or length the kernel does not take (see :func:`supports`).
+        ValueError: a shape, dtype, length or cache row the kernel does not take (see :func:`supports`).
     """
     g, nq, d = q.shape
-    nkv, length = k.shape[1], k.shape[2]
-    if not supports(q, k) or v.dtype != q.dtype or v.shape != k.shape or k.shape[0] != g:
+    if index is None:
+        nkv, length = k.shape[1], k.shape[2]
+        ok = k.dim() == 4 and k.shape[0] == g and v.shape == k.shape
+    else:
+        nkv, length = k.shape[1], index.shape[1]
+        ok = k.dim() == 3 and v.shape == k.shape and index.shape[0] == g and index.dtype == torch.int64
+        if ok and check_index and index.numel() and (int(index.min()) < 0 or int(index.max()) >= k.shape[0]):
+            raise ValueError(f"C decode attention: cache rows {int(index.min())}..{int(index.max())} of {k.shape[0]}")
+    if not ok or not supports(q, k) or v.dtype != q.dtype:
         raise ValueError(f"C decode attention: q {q.dtype} {tuple(q.shape)}, k {k.dtype} {tuple(k.shape)}")
     if q.stride(2) != 1:
         q = q.contiguous()
-    if k.stride(3) != 1:
+    if k.stride(-1) != 1:
         k = k.contiguous()
-    if v.stride(3) != 1:
+    if v.stride(-1) != 1:
         v = v.contiguous()
     lens = None if lengths is None else lengths.to(torch.int64).contiguous()
+    idx = None if index is None else index.contiguous()
     out = torch.empty(g, nq, d, dtype=q.dtype)
     args = getattr(_per_thread, "args", None)
     if args is None:
         args = _per_thread.args = _ARGS()
-    args[:] = (g, nq, nkv, d, length, q.data_ptr(), q.stride(0), q.stride(1),
-               k.data_ptr(), k.stride(0), k.stride(1), k.stride(2), v.data_ptr(), v.stride(0), v.stride(1), v.stride(2),
+    if idx is None:
+        kst, vst = (k.stride(0), k.stride(1), k.stride(2)), (v.stride(0), v.stride(1), v.stride(2))
+    else:
+        kst, vst = (0, k.stride(1), k.stride(0)), (0, v.stride(1), v.stride(0))
+    args[:] = (g, nq, nkv, d, length, q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), *kst, v.data_ptr(), *vst,
                0 if lens is None else lens.data_ptr(), out.data_ptr(), out.stride(0), out.stride(1),
-               int(q.dtype == torch.bfloat16))  # fmt: skip
+               int(q.dtype == torch.bfloat16), 0 if idx is None else idx.data_ptr())  # fmt: skip
     if fn(ctypes.addressof(args), scale):
         shown = "all" if lens is None else lens.tolist()[:8]
         raise ValueError(f"C decode attention refused lengths {shown} (L = {length}) or its shapes")
@@ -142,10 +159,12 @@ def _faster_than_sdpa(fn: ctypes._CFuncPtr) -> tuple[bool, str]:  # type: ignore
 
 
 def as_callable(fn: ctypes._CFuncPtr) -> DecodeAttention:  # type: ignore[name-defined]
-    """``fn`` as the ``(q, k, v, lengths, scale) -> out`` callable :class:`~gpu_worker.model.LlamaShard` takes."""
+    """``fn`` as the ``(q, k, v, lengths, scale, index=None) -> out`` callable :class:`~gpu_worker.model.LlamaShard`
+    takes; it does not check ``index`` against the cache (the worker checks each step's slot tables once)."""
 
-    def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor | None, scale: float):
-        return decode_attention(fn, q, k, v, lengths, scale)
+    def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor | None, scale: float,
+            index: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+        return decode_attention(fn, q, k, v, lengths, scale, index, check_index=False)
 
     return run
 

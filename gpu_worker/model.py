@@ -231,9 +231,21 @@ class LlamaShard:
     def _decode_attention(
         self, g: DecodeGroup, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: KVCache, layer: int
     ) -> torch.Tensor:
-        """A decode group's one new token per row attending to each row's history -> ``[G, nq, d]`` (row order)."""
+        """A decode group's one new token per row attending to each row's history -> ``[G, nq, d]`` (row order).
+
+        On the C kernel (``self.decode_attn``) without a mirror, the history is read in place from the paged cache
+        through the group's slot table; otherwise from the decode mirror or a gather, for the C kernel or SDPA.
+        """
         kc, vc = kv.k[layer], kv.v[layer]
         n = g.token_index.shape[0]
+        scale = 1.0 / math.sqrt(self.d)
+        fast = self.decode_attn is not None and q.dtype in (torch.float32, torch.bfloat16)
+        lengths = g.lengths
+        if fast and lengths is None and g.mask is not None:  # a prefix mask built by hand (tests): its lengths
+            lengths = g.mask[:, 0, 0, :].sum(-1)
+        if fast and g.mirror is None:
+            qr = q if g.every_token else q[g.token_index]
+            return self.decode_attn(qr, kc, vc, lengths, scale, g.kv_slots.view(n, g.length))
         qd = (q if g.every_token else q[g.token_index])[:, :, None, :]  # [G, nq, 1, d]
         if g.mirror is not None:
             kn, vn = (k, v) if g.every_token else (k[g.token_index], v[g.token_index])
@@ -244,11 +256,7 @@ class LlamaShard:
             vd = vc.index_select(0, g.kv_slots).view(n, g.length, self.nkv, self.d).transpose(1, 2)
             if n >= self.upcast_min_rows:  # slow bf16 kernels on this CPU: attend in fp32
                 qd, kd, vd = qd.float(), kd.float(), vd.float()
-        scale = 1.0 / math.sqrt(self.d)
-        if self.decode_attn is not None and qd.dtype in (torch.float32, torch.bfloat16):
-            lengths = g.lengths
-            if lengths is None and g.mask is not None:  # a prefix mask built by hand (tests): its lengths
-                lengths = g.mask[:, 0, 0, :].sum(-1)
+        if fast and qd.dtype in (torch.float32, torch.bfloat16):
             return self.decode_attn(qd[:, :, 0, :], kd, vd, lengths, scale).to(q.dtype)
         od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=g.mask, scale=scale, enable_gqa=True)
         return od[:, :, 0, :].to(q.dtype)

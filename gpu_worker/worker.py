@@ -122,9 +122,10 @@ class Worker:
                 f"the KV cache for {cap} tokens needs {need / 2**30:.1f} GiB on TP rank {rank} ({self.device}) and "
                 f"could not be allocated: lower --max-total-tokens ({type(e).__name__}: {str(e)[:200]})"
             ) from None
-        # decode rows that stay the same from step to step read their KV history from a kept copy (CPU only)
+        # decode rows that stay the same from step to step read their KV history from a kept copy (CPU only); the
+        # C decode attention reads the paged cache in place through the slot table instead, so needs none
         self.decode_mirror: DecodeKVMirror | None = None
-        if self.device.type == "cpu" and args.decode_mirror_mb > 0:
+        if self.device.type == "cpu" and args.decode_mirror_mb > 0 and self.model.decode_attn is None:
             self.decode_mirror = DecodeKVMirror(
                 self.cfg.num_layers, self.plan.num_kv_heads, self.cfg.head_dim, self.device, args.decode_mirror_mb << 20
             )
@@ -324,6 +325,8 @@ class Worker:
                 # padding reads the all-zero slot, never a stale slot another request may have filled with inf
                 kv_slots = kv_slots.masked_fill(~valid, self.kv.null_slot)
             kv_slots = kv_slots.reshape(-1)
+            if kv_slots.numel() and (int(kv_slots.min()) < 0 or int(kv_slots.max()) > self.kv.null_slot):
+                raise WorkerError(f"a decode row's KV slots leave the cache (0..{self.kv.null_slot})")
             index = torch.tensor([tok[i] for i in g], dtype=torch.int64, device=dev)
             every = len(groups) == 1 and len(g) == len(fb.reqs) and [tok[i] for i in g] == list(range(len(g)))
             if mirror is not None and mirror.fill_rows is not None:

@@ -131,6 +131,46 @@ def test_mirror_and_gather_layouts_read_the_same_values(fn, dtype):
     assert torch.equal(decode_attention(fn, q, gk, gv, lengths, 0.125), base)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_reads_a_paged_cache_in_place_through_the_slot_table(fn, dtype):
+    """Rows' positions scattered over a paged cache ``[slots, kv, d]``: the same as gathering them first."""
+    g = torch.Generator().manual_seed(5)
+    rows, length, slots = 3, 70, 400
+    kc = torch.randn(slots, 3, 64, generator=g).to(dtype)
+    vc = torch.randn(slots, 3, 64, generator=g).to(dtype)
+    index = torch.stack([torch.randperm(slots, generator=g)[:length] for _ in range(rows)])
+    lengths = torch.tensor([70, 1, 33])
+    q = torch.randn(rows, 9, 64, generator=g).to(dtype)
+    got = decode_attention(fn, q, kc, vc, lengths, 0.125, index)
+    kd = kc[index].transpose(1, 2)  # [rows, kv, L, d]
+    vd = vc[index].transpose(1, 2)
+    assert torch.equal(got, decode_attention(fn, q, kd, vd, lengths, 0.125))
+    check(got, reference(q, kd, vd, lengths, 0.125))
+    bad = index.clone()
+    bad[1, 5] = slots  # past the cache: refused before any read
+    with pytest.raises(ValueError, match="cache rows"):
+        decode_attention(fn, q, kc, vc, lengths, 0.125, bad)
+
+
+def test_a_worker_on_the_kernel_keeps_no_mirror_and_checks_slot_tables(model_path, monkeypatch, fn):
+    from loom_helpers import make_args
+
+    import gpu_worker.decode_attention as da
+    from gpu_worker.worker import Worker, WorkerError
+    from ipc.messages import BatchReq, ForwardBatch, WorkerSampling
+
+    monkeypatch.setattr(da, "choose_decode_attention", lambda *a, **k: (as_callable(fn), "C kernel (test)"))
+    w = Worker(make_args(model_path, max_total_tokens=512))
+    assert w.model.decode_attn is not None and w.decode_mirror is None
+    greedy = WorkerSampling(0.0, 1.0, -1, None)
+    w.forward_logits(ForwardBatch(1, [BatchReq("a", 0, [5, 6, 7], 0, [0, 1, 2], None, greedy)]))
+    out = w.forward_logits(ForwardBatch(2, [BatchReq("a", 0, [8], 3, [3], None, greedy, 1)]))
+    assert torch.isfinite(out).all()
+    w.kv.req_to_token[0, 1] = w.kv.null_slot + 5  # a corrupt table entry is refused, never read
+    with pytest.raises(WorkerError, match="leave the cache"):
+        w.forward_logits(ForwardBatch(3, [BatchReq("a", 0, [9], 4, [4], None, greedy, 2)]))
+
+
 def test_refuses_what_it_does_not_take(fn):
     q, k = torch.randn(1, 9, 64), torch.randn(1, 3, 10, 64)
     with pytest.raises(ValueError, match="refused lengths"):

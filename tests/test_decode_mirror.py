@@ -4,6 +4,8 @@ the plain paged gather through joins, leaves, skipped steps, re-admission, a fai
 from __future__ import annotations
 
 import random
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -92,8 +94,17 @@ def _plans(seed: int, vocab: int = 30000) -> list[list[BatchReq]]:
     return plans
 
 
+@pytest.fixture
+def sdpa_only(monkeypatch):
+    """Workers built in this test attend with SDPA: with the C decode attention (gpu_worker/decode_attention.py) a
+    worker reads the paged cache in place and keeps no mirror."""
+    import gpu_worker.decode_attention as da
+
+    monkeypatch.setattr(da, "choose_decode_attention", lambda *a, **k: (None, "SDPA (test)"))
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_logits_equal_the_paged_gather_through_churn(model_path, dtype, monkeypatch):
+def test_logits_equal_the_paged_gather_through_churn(model_path, dtype, monkeypatch, sdpa_only):
     from gpu_worker.worker import Worker
 
     w = Worker(make_args(model_path, dtype=dtype, max_total_tokens=4096))
@@ -134,15 +145,27 @@ def test_logits_equal_the_paged_gather_through_churn(model_path, dtype, monkeypa
         assert torch.equal(plain, with_mirror[k]), (k, (plain - with_mirror[k]).abs().max().item())
 
 
-@pytest.mark.parametrize("mirror", [True, False])
-def test_a_finished_requests_inf_kv_never_reaches_the_next_rows_padding(model_path, mirror):
+@pytest.mark.parametrize("path", ["mirror", "gather", "c-kernel"])
+def test_a_finished_requests_inf_kv_never_reaches_the_next_rows_padding(model_path, path, monkeypatch):
     """An adapter whose activations overflow leaves inf in its KV. A later request in its row (and mirror row),
-    decoding next to a longer one, must not read that inf through its padded positions: 0 x inf is NaN."""
+    decoding next to a longer one, must not read that inf through its padded positions: 0 x inf is NaN. With
+    SDPA over the mirror or a gather, and with the C kernel reading the paged cache in place (when it builds)."""
+    import gpu_worker.decode_attention as da
     from gpu_worker.worker import Worker
 
+    if path != "c-kernel":
+        monkeypatch.setattr(da, "choose_decode_attention", lambda *a, **k: (None, "SDPA (test)"))
     w = Worker(make_args(model_path, max_total_tokens=4096))
-    if not mirror:
+    if path == "gather":
         w.decode_mirror = None
+    if path == "c-kernel":
+        if w.model.decode_attn is None:
+            d = Path(tempfile.mkdtemp())
+            fn = da.load_decode_attention(d)
+            if fn is None:
+                pytest.skip(f"no C decode attention here: {da.LOAD_NOTES[d]}")
+            w.model.decode_attn, w.decode_mirror = da.as_callable(fn), None
+        assert w.decode_mirror is None
     rng = random.Random(1)
     h_ids, p_ids, n_ids = ([rng.randrange(100, 30000) for _ in range(n)] for n in (60, 80, 10))
     h_slots, p_slots, n_slots = list(range(0, 70)), list(range(100, 190)), list(range(300, 320))
@@ -202,7 +225,7 @@ def test_a_finished_requests_inf_kv_never_reaches_the_next_rows_padding(model_pa
         assert torch.equal(a, b)
 
 
-def test_decode_mirror_mb_sets_the_cap_and_zero_turns_it_off(model_path):
+def test_decode_mirror_mb_sets_the_cap_and_zero_turns_it_off(model_path, sdpa_only):
     from gpu_worker.worker import Worker
 
     assert Worker(make_args(model_path, decode_mirror_mb=0)).decode_mirror is None

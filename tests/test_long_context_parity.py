@@ -3,7 +3,7 @@ transformers fp32 logits on the real checkpoint (TP=1, in-process).
 
 A 1,300-token prompt decodes in the same steps as two short chats, so the worker's length grouping makes
 separate decode groups (one long, one short); logits must match the reference within 1e-3 either way, with decode
-attention on the C kernel and on SDPA.
+attention on the C kernel (reading the paged cache in place) and on SDPA.
 """
 
 from __future__ import annotations
@@ -64,6 +64,7 @@ def test_unequal_histories_decode_in_groups_and_match(worker, cases, monkeypatch
         if fn is None:
             pytest.skip(f"no C decode attention here: {LOAD_NOTES[d]}")
         monkeypatch.setattr(worker.model, "decode_attn", as_callable(fn))
+        monkeypatch.setattr(worker, "decode_mirror", None)  # read in place from the paged cache
     groups_seen = []
     real = worker._decode_groups
 

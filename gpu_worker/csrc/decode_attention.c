@@ -96,8 +96,8 @@ static inline v16 ldx(const void* p, int64_t off, int bf16) {
 
 /* One (row, KV head) work item per the shapes generated from decode_attention_item.h: the shapes of the usual
  * models (head_dim 64 or 128; 1, 2, 3, 4 or 8 query heads per KV head) have their own version, others the general. */
-typedef void (*attend_fn)(const void*, int64_t, const void*, int64_t, const void*, int64_t, int64_t, float, void*,
-                          int64_t, int, int, int);
+typedef void (*attend_fn)(const void*, int64_t, const void*, int64_t, const void*, int64_t, const int64_t*, int64_t,
+                          float, void*, int64_t, int, int, int);
 #define ATT_NAME attend_64_1_1
 #define ATT_D 64
 #define ATT_REP 1
@@ -293,13 +293,16 @@ static attend_fn pick(int64_t d, int rep, int bf16) {
     return attend_any;
 }
 
-/* One call, its arguments as 21 int64 values in a (one ctypes argument: 22 separate ones cost ~5 us per call):
- *   a = {G, nq, nkv, d, L, q, qs0, qs1, k, ks0, ks1, ks2, v, vs0, vs1, vs2, lens, out, os0, os1, bf16}
- * q [G][nq][d] (strides qs0, qs1), k and v [G][nkv][L][d] (strides ks0, ks1, ks2 and vs0, vs1, vs2), out [G][nq][d]
- * (strides os0, os1); pointers as integers, strides in elements, every last dimension contiguous. lens: address of
- * int64 [G], row g attending to its first lens[g] positions (1 <= lens[g] <= L), or 0 for all L. bf16: 1 if q, k,
- * v and out are bf16, 0 if fp32. Returns 0, or -1 for a shape it does not take (d not a multiple of 16 or over
- * MAXD (of 32 for bf16), nq not a multiple of nkv, more than MAXREP query heads per KV head, a length out of range). */
+/* One call, its arguments as 22 int64 values in a (one ctypes argument: 23 separate ones cost ~5 us per call):
+ *   a = {G, nq, nkv, d, L, q, qs0, qs1, k, ks0, ks1, ks2, v, vs0, vs1, vs2, lens, out, os0, os1, bf16, index}
+ * q [G][nq][d] (strides qs0, qs1), out [G][nq][d] (strides os0, os1). Without index (0): k and v [G][nkv][L][d]
+ * (strides ks0, ks1, ks2 and vs0, vs1, vs2). With index, the address of int64 [G][L]: k and v are a paged cache,
+ * position j of row g being its row index[g][j] (strides ks2/vs2 between rows, ks1/vs1 between heads; ks0/vs0
+ * unused), read in place. Pointers as integers, strides in elements, every last dimension contiguous. lens: address
+ * of int64 [G], row g attending to its first lens[g] positions (1 <= lens[g] <= L), or 0 for all L. bf16: 1 if q,
+ * k, v and out are bf16, 0 if fp32. Returns 0, or -1 for a shape it does not take (d not a multiple of 16 or over
+ * MAXD (of 32 for bf16), nq not a multiple of nkv, more than MAXREP query heads per KV head, a length out of
+ * range). */
 int loom_decode_attention(const int64_t* a, float scale) {
     const int64_t G = a[0], nq = a[1], nkv = a[2], d = a[3], L = a[4];
     const char *q = (const char*)a[5], *k = (const char*)a[8], *v = (const char*)a[12];
@@ -308,6 +311,7 @@ int loom_decode_attention(const int64_t* a, float scale) {
     char* out = (char*)a[17];
     const int64_t os0 = a[18], os1 = a[19];
     const int bf16 = (int)a[20];
+    const int64_t* index = (const int64_t*)a[21];
     if (d % (bf16 ? 2 * VW : VW) || d > MAXD || nkv <= 0 || nq % nkv || nq / nkv > MAXREP || L < 1) return -1;
     for (int64_t g = 0; lens && g < G; g++)
         if (lens[g] < 1 || lens[g] > L) return -1;
@@ -318,9 +322,10 @@ int loom_decode_attention(const int64_t* a, float scale) {
 #pragma omp parallel for schedule(static) if (G * nkv > 1)
 #endif
     for (int64_t it = 0; it < G * nkv; it++) {
-        const int64_t g = it / nkv, h = it % nkv;
-        fn(q + (g * qs0 + h * rep * qs1) * esz, qs1, k + (g * ks0 + h * ks1) * esz, ks2, v + (g * vs0 + h * vs1) * esz,
-           vs2, lens ? lens[g] : L, scale, out + (g * os0 + h * rep * os1) * esz, os1, (int)d, rep, bf16);
+        const int64_t g = it / nkv, h = it % nkv, row = index ? 0 : g;
+        fn(q + (g * qs0 + h * rep * qs1) * esz, qs1, k + (row * ks0 + h * ks1) * esz, ks2,
+           v + (row * vs0 + h * vs1) * esz, vs2, index ? index + g * L : 0, lens ? lens[g] : L, scale,
+           out + (g * os0 + h * rep * os1) * esz, os1, (int)d, rep, bf16);
     }
     return 0;
 }

@@ -6,10 +6,12 @@
  *   ATT_DCAP, ATT_REPCAP  array sizes: the constants themselves, or MAXD and MAXREP for the general version.
  * With constant sizes the accumulators are fixed-size arrays indexed by constants, which the compiler keeps in
  * vector registers (a variable-length array would live on the stack).
- * q: REP heads at head stride qsh; k/v: keys at stride ks/vs; len keys; out: REP heads at stride osh. */
-static void ATT_NAME(const void* q, int64_t qsh, const void* k, int64_t ks, const void* v, int64_t vs, int64_t len,
-                     float scale, void* out, int64_t osh, int d, int rep, int bf16) {
+ * q: REP heads at head stride qsh; k/v: key j at element offset KEY(j) * ks / vs, where KEY(j) is idx[j] (the
+ * paged cache's slot of position j) or j when idx is 0; len keys; out: REP heads at stride osh. */
+static void ATT_NAME(const void* q, int64_t qsh, const void* k, int64_t ks, const void* v, int64_t vs,
+                     const int64_t* idx, int64_t len, float scale, void* out, int64_t osh, int d, int rep, int bf16) {
     (void)d, (void)rep, (void)bf16; /* the general version reads them; the constant versions do not */
+#define KEY(j) (idx ? idx[j] : (j))
     enum { CC = ATT_DCAP / VW };
     const int D = ATT_D, REP = ATT_REP, BF = ATT_BF, C = D / VW;
     const int dot = HAVE_BF16_DOT && BF && D % 32 == 0; /* q . k on vdpbf16ps straight from bf16 */
@@ -28,7 +30,7 @@ static void ATT_NAME(const void* q, int64_t qsh, const void* k, int64_t ks, cons
             if (!dot) {
                 for (int jj = 0; jj < ng; jj++)
                     for (int c = 0; c < C; c++) {
-                        v16 t = ldx(k, (j0 + jg + jj) * ks + c * VW, BF);
+                        v16 t = ldx(k, KEY(j0 + jg + jj) * ks + c * VW, BF);
                         memcpy(kf + jj * D + c * VW, &t, sizeof t);
                     }
                 if (ng < 16) memset(kf + ng * D, 0, sizeof(float) * (16 - ng) * D);
@@ -37,14 +39,14 @@ static void ATT_NAME(const void* q, int64_t qsh, const void* k, int64_t ks, cons
                 v16 a[16];
 #if HAVE_BF16_DOT
                 if (dot) {
-                    const uint16_t* kh = (const uint16_t*)k + (j0 + jg) * ks;
+                    const uint16_t* kh = (const uint16_t*)k;
                     const uint16_t* qh = (const uint16_t*)q + i * qsh;
 #define DOT_KEY(jj)                                                                                   \
     do {                                                                                              \
         __m512 t = _mm512_setzero_ps();                                                               \
         for (int c = 0; c < D / 32; c++)                                                              \
             t = _mm512_dpbf16_ps(t, (__m512bh)_mm512_loadu_si512(qh + c * 32),                        \
-                                 (__m512bh)_mm512_loadu_si512(kh + (jj) * ks + c * 32));              \
+                                 (__m512bh)_mm512_loadu_si512(kh + KEY(j0 + jg + (jj)) * ks + c * 32));              \
         a[jj] = (v16)t;                                                                               \
     } while (0)
                     if (ng == 16)
@@ -94,11 +96,11 @@ static void ATT_NAME(const void* q, int64_t qsh, const void* k, int64_t ks, cons
             if (BF) /* 32 bf16 -> even and odd elements as fp32 in two shifts: acc[i][2c] holds even dims, 2c + 1 odd */
                 for (int c = 0; c < C; c += 2) {
                     u32x16 x;
-                    memcpy(&x, (const uint16_t*)v + (j0 + j) * vs + c * VW, sizeof x);
+                    memcpy(&x, (const uint16_t*)v + KEY(j0 + j) * vs + c * VW, sizeof x);
                     vr[c] = (v16)(x << 16), vr[c + 1] = (v16)(x & 0xffff0000u);
                 }
             else
-                for (int c = 0; c < C; c++) vr[c] = ldf((const float*)v + (j0 + j) * vs + c * VW);
+                for (int c = 0; c < C; c++) vr[c] = ldf((const float*)v + KEY(j0 + j) * vs + c * VW);
             for (int i = 0; i < REP; i++) {
                 float p = sc[i * BK + j];
                 for (int c = 0; c < C; c++) acc[i][c] += p * vr[c];
@@ -117,6 +119,7 @@ static void ATT_NAME(const void* q, int64_t qsh, const void* k, int64_t ks, cons
     }
 }
 
+#undef KEY
 #undef ATT_NAME
 #undef ATT_D
 #undef ATT_REP
