@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import hashlib
+import logging
 import os
 import platform
 import shlex
@@ -22,6 +23,8 @@ import subprocess
 from pathlib import Path
 
 import torch  # noqa: F401  (loaded first on purpose: the kernels bind to torch's libgomp)
+
+log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parent / "csrc"
 
@@ -106,6 +109,8 @@ def load_library(source: Path, cache_dir: Path) -> tuple[ctypes.CDLL | None, str
         path = cache_dir / f"{source.stem}-{key}{'-omp' if openmp else ''}.so"
         try:
             if not _intact(path):
+                if path.exists():
+                    log.warning("cached kernel %s does not match its recorded sha256: rebuilding it", path)
                 cache_dir.mkdir(parents=True, exist_ok=True)
                 _build(cc, source, path, openmp)
             lib = ctypes.CDLL(str(path))

@@ -157,6 +157,9 @@ class Worker:
         (``gpu_worker.layer_ops``) where they build; logs the choices."""
         if self.device.type != "cpu":
             return
+        if self.dtype not in (torch.float32, torch.bfloat16):  # the C kernels take fp32/bf16 activations only
+            log.info("rank %d: decode attention on SDPA, layer ops on PyTorch (%s activations)", self.rank, self.dtype)
+            return
         from gpu_worker.decode_attention import choose_decode_attention
         from gpu_worker.layer_ops import layer_ops
 

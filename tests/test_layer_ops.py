@@ -154,3 +154,17 @@ def test_a_model_step_with_and_without_the_ops(ops, model_path):
         runs[name] = out
     for a, b in zip(runs["c"], runs["torch"], strict=True):
         assert (a - b).abs().max().item() < 1e-4
+
+
+def test_an_fp16_worker_keeps_pytorchs_ops_and_sdpa(model_path, caplog):
+    """The C kernels take fp32/bf16 activations: an fp16 worker uses neither, and its log says so."""
+    import logging
+
+    from loom_helpers import make_args
+
+    from gpu_worker.worker import Worker
+
+    with caplog.at_level(logging.INFO, logger="gpu_worker"):
+        w = Worker(make_args(model_path, dtype="float16"))
+    assert w.model.decode_attn is None and w.model.layer_ops is None
+    assert "decode attention on SDPA, layer ops on PyTorch (torch.float16 activations)" in caplog.text

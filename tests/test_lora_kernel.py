@@ -182,21 +182,26 @@ print("no-kernel" if fn is None else "ok " + LOAD_NOTES[d])
 """
     env = dict(os.environ, CC=shlex.quote(str(fake_cc)))
 
+    stderr = []
+
     def load(times: int = 1) -> str:
         cmd = [sys.executable, "-c", code, str(times)]
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
         assert out.returncode == 0, (out.returncode, out.stderr[-2000:])
+        stderr.append(out.stderr)
         return out.stdout.strip()
 
     def builds() -> list[str]:
         return calls.read_text().splitlines() if calls.exists() else []
 
     assert load(times=2) == "ok" and len(builds()) == 1  # the first load builds, the second loads it as is
+    assert "rebuilding" not in stderr[-1]
     [so] = cache.glob("lora_sgmv-*-omp.so")
     for damage in (lambda: os.truncate(so, so.stat().st_size // 3), lambda: so.write_bytes(b"garbage")):
         damage()
         n = len(builds())
         assert load() == "ok", "not rebuilt with OpenMP"  # an empty note: the OpenMP build, not single-threaded
+        assert "does not match its recorded sha256: rebuilding it" in stderr[-1]  # said, not silent
         assert len(builds()) == n + 1 and "-fopenmp" in builds()[-1].split(), builds()
         assert so.read_bytes() == good.read_bytes()
 
