@@ -49,7 +49,8 @@ def main() -> None:
         "--mirror",
         default="on",
         choices=["on", "off", "ab"],
-        help="decode KV mirror (gpu_worker/decode_mirror.py): on, off, or ab = blocks of 5 steps in turns",
+        help="decode KV mirror (gpu_worker/decode_mirror.py): on, off, or ab = blocks of 5 steps in turns; a worker "
+        "whose decode attention runs on the C kernel keeps none (it reads the paged cache in place)",
     )
     p.add_argument(
         "--int4-ab",
@@ -151,6 +152,8 @@ def main() -> None:
     chosen_ops = w.model.layer_ops
     by_ops: dict[str, list[float]] = {"c": [], "torch": []}
     mirror = w.decode_mirror
+    if a.mirror == "ab" and mirror is None:
+        print("no decode KV mirror in this worker (decode attention on the C kernel reads the paged cache in place)")
     if a.mirror == "off":
         w.decode_mirror = None
     step(0)
