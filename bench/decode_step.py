@@ -154,6 +154,7 @@ def main() -> None:
     mirror = w.decode_mirror
     if a.mirror == "ab" and mirror is None:
         print("no decode KV mirror in this worker (decode attention on the C kernel reads the paged cache in place)")
+        a.mirror = "off"
     if a.mirror == "off":
         w.decode_mirror = None
     step(0)
