@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
-import logging
-import threading
 from collections.abc import Callable
 from functools import cache
 from pathlib import Path
@@ -23,15 +21,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from gpu_worker.native_build import CSRC, load_library
-
-log = logging.getLogger(__name__)
+from gpu_worker.native_build import CSRC, arg_block, load_kernel
 
 SOURCE = CSRC / "decode_attention.c"
 MAX_HEAD_DIM = 256
 MAX_GROUP = 16  # query heads per KV head
-_ARGS = ctypes.c_int64 * 22  # the C function's argument block (see csrc/decode_attention.c)
-_per_thread = threading.local()  # one argument block per thread, filled in place: a new one per call costs ~2 us
 
 # why the last load_decode_attention(cache_dir) has no kernel, or runs it single-threaded ("" = built with OpenMP)
 LOAD_NOTES: dict[Path, str] = {}
@@ -43,17 +37,9 @@ DecodeAttention = Callable[..., torch.Tensor]  # (q, k, v, lengths, scale, index
 def load_decode_attention(cache_dir: Path) -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
     """The ``loom_decode_attention`` C function (argtypes set), built into ``cache_dir`` on first use; None (the
     reason logged and kept in ``LOAD_NOTES[cache_dir]``) where no compiler works."""
-    lib, note = load_library(SOURCE, cache_dir)
-    LOAD_NOTES[cache_dir] = note
-    if lib is None:
-        log.info("C decode attention unavailable: %s", note)
-        return None
-    if note:
-        log.warning("C decode attention runs %s", note)
-    fn = lib.loom_decode_attention
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_float]
-    fn.restype = ctypes.c_int
-    return fn
+    lib = load_kernel(SOURCE, cache_dir, "C decode attention", LOAD_NOTES,
+                      {"loom_decode_attention": [ctypes.c_void_p, ctypes.c_float]})  # fmt: skip
+    return None if lib is None else lib.loom_decode_attention
 
 
 def supports(q: torch.Tensor, k: torch.Tensor) -> bool:
@@ -114,17 +100,14 @@ def decode_attention(
     lens = None if lengths is None else lengths.to(torch.int64).contiguous()
     idx = None if index is None else index.contiguous()
     out = torch.empty(g, nq, d, dtype=q.dtype)
-    args = getattr(_per_thread, "args", None)
-    if args is None:
-        args = _per_thread.args = _ARGS()
     if idx is None:
         kst, vst = (k.stride(0), k.stride(1), k.stride(2)), (v.stride(0), v.stride(1), v.stride(2))
     else:
         kst, vst = (0, k.stride(1), k.stride(0)), (0, v.stride(1), v.stride(0))
-    args[:] = (g, nq, nkv, d, length, q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), *kst, v.data_ptr(), *vst,
-               0 if lens is None else lens.data_ptr(), out.data_ptr(), out.stride(0), out.stride(1),
-               int(q.dtype == torch.bfloat16), 0 if idx is None else idx.data_ptr())  # fmt: skip
-    if fn(ctypes.addressof(args), scale):
+    args = arg_block(g, nq, nkv, d, length, q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), *kst,
+                     v.data_ptr(), *vst, 0 if lens is None else lens.data_ptr(), out.data_ptr(), out.stride(0),
+                     out.stride(1), int(q.dtype == torch.bfloat16), 0 if idx is None else idx.data_ptr())  # fmt: skip
+    if fn(args, scale):
         shown = "all" if lens is None else lens.tolist()[:8]
         raise ValueError(f"C decode attention refused lengths {shown} (L = {length}) or its shapes")
     return out

@@ -12,16 +12,12 @@ otherwise.
 from __future__ import annotations
 
 import ctypes
-import logging
-import threading
 from functools import cache
 from pathlib import Path
 
 import torch
 
-from gpu_worker.native_build import CSRC, load_library
-
-log = logging.getLogger(__name__)
+from gpu_worker.native_build import CSRC, arg_block, load_kernel
 
 SOURCE = CSRC / "layer_ops.c"
 _DTYPES = (torch.float32, torch.bfloat16)
@@ -32,38 +28,19 @@ LOAD_NOTES: dict[Path, str] = {}  # why load_layer_ops(cache_dir) has no library
 def load_layer_ops(cache_dir: Path) -> ctypes.CDLL | None:
     """The built library (argtypes set), built into ``cache_dir`` on first use; None (the reason logged and kept in
     ``LOAD_NOTES[cache_dir]``) where no compiler works."""
-    lib, note = load_library(SOURCE, cache_dir)
-    LOAD_NOTES[cache_dir] = note
-    if lib is None:
-        log.info("fused layer ops unavailable: %s", note)
-        return None
-    if note:
-        log.warning("fused layer ops run %s", note)
-    lib.loom_add_rms_norm.argtypes = [ctypes.c_void_p, ctypes.c_float]
-    lib.loom_rope_store.argtypes = [ctypes.c_void_p]
-    lib.loom_silu_mul.argtypes = [ctypes.c_void_p]
-    for f in (lib.loom_add_rms_norm, lib.loom_rope_store, lib.loom_silu_mul):
-        f.restype = ctypes.c_int
-    return lib
+    sig = {"loom_add_rms_norm": [ctypes.c_void_p, ctypes.c_float], "loom_rope_store": [ctypes.c_void_p],
+           "loom_silu_mul": [ctypes.c_void_p]}  # fmt: skip
+    return load_kernel(SOURCE, cache_dir, "fused layer ops", LOAD_NOTES, sig)
 
 
 class LayerOps:
     """The fused operations on one library. Tensors are CPU, fp32 or bf16 (all of a call alike), rows contiguous.
 
-    Argument blocks (``ctypes`` arrays) are kept per thread and filled in place: separate ctypes arguments cost
-    ~5 us per call, a new array ~2 us.
+    Arguments go to the C functions as one block (:func:`gpu_worker.native_build.arg_block`).
     """
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self.lib = lib
-        self._local = threading.local()
-
-    def _args(self, *vals: int) -> int:
-        block = getattr(self._local, "block", None)
-        if block is None:
-            block = self._local.block = (ctypes.c_int64 * 16)()
-        block[: len(vals)] = vals
-        return ctypes.addressof(block)
 
     @staticmethod
     def takes(t: torch.Tensor, width: int) -> bool:
@@ -88,7 +65,7 @@ class LayerOps:
             raise ValueError(f"add_rms_norm: x {x.dtype} {tuple(x.stride())}, w {w.dtype}")
         h = torch.empty(rows, n, dtype=x.dtype)
         dp, ds = (0, 0) if delta is None else (delta.data_ptr(), delta.stride(0))
-        a = self._args(rows, n, x.data_ptr(), x.stride(0), dp, ds, w.data_ptr(), h.data_ptr(), n, _bf16(x))
+        a = arg_block(rows, n, x.data_ptr(), x.stride(0), dp, ds, w.data_ptr(), h.data_ptr(), n, _bf16(x))
         if self.lib.loom_add_rms_norm(a, eps):
             raise ValueError(f"add_rms_norm refused width {n} (a multiple of 16)")
         return h
@@ -120,7 +97,7 @@ class LayerOps:
         if not ok or cos.shape != (t, d) or qkv.shape[1] < (nq + 2 * nkv) * d:
             raise ValueError(f"rope_store: qkv {qkv.dtype} {tuple(qkv.shape)}, cos {cos.dtype} {tuple(cos.shape)}")
         kp, vp, sp = (0, 0, 0) if kc is None else (kc.data_ptr(), vc.data_ptr(), slots.data_ptr())
-        a = self._args(t, nq, nkv, d, qkv.data_ptr(), qkv.stride(0), cos.data_ptr(), sin.data_ptr(), kp, vp, sp,
+        a = arg_block(t, nq, nkv, d, qkv.data_ptr(), qkv.stride(0), cos.data_ptr(), sin.data_ptr(), kp, vp, sp,
                        _bf16(qkv))  # fmt: skip
         if self.lib.loom_rope_store(a):
             raise ValueError(f"rope_store refused head_dim {d} (a multiple of 32)")
@@ -134,9 +111,7 @@ class LayerOps:
         if gu.stride(1) != 1 or gu.shape[1] != 2 * f or gu.dtype not in _DTYPES:
             raise ValueError(f"silu_mul: gu {gu.dtype} {tuple(gu.shape)} for {f}")
         out = torch.empty(gu.shape[0], f, dtype=gu.dtype)
-        if self.lib.loom_silu_mul(
-            self._args(gu.shape[0], f, gu.data_ptr(), gu.stride(0), out.data_ptr(), f, _bf16(gu))
-        ):
+        if self.lib.loom_silu_mul(arg_block(gu.shape[0], f, gu.data_ptr(), gu.stride(0), out.data_ptr(), f, _bf16(gu))):
             raise ValueError(f"silu_mul refused width {f} (a multiple of 16)")
         return out
 

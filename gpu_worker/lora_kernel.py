@@ -15,9 +15,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from gpu_worker.native_build import CSRC, load_library
-
-log = logging.getLogger(__name__)
+from gpu_worker.native_build import CSRC, load_kernel
 
 SOURCE = CSRC / "lora_sgmv.c"
 MAX_IN_DIM = 4096  # the kernel's per-thread row buffers; wider inputs use the torch path
@@ -103,17 +101,8 @@ def load_sgmv(cache_dir: Path) -> ctypes._CFuncPtr | None:  # type: ignore[name-
     then a single-threaded one. Returns None when there is no C compiler or neither builds and loads; the
     reason (or the single-threaded fallback's) is logged as a warning and kept in ``LOAD_NOTES[cache_dir]``.
     """
-    lib, note = load_library(SOURCE, cache_dir)
-    LOAD_NOTES[cache_dir] = note
-    if lib is None:
-        log.warning("LoRA kernel unavailable: %s", note)
-        return None
-    if note:
-        log.warning("LoRA kernel runs %s", note)
-    fn = lib.loom_lora_sgmv
-    fn.argtypes = _ARGTYPES
-    fn.restype = ctypes.c_int
-    return fn
+    lib = load_kernel(SOURCE, cache_dir, "LoRA kernel", LOAD_NOTES, {"loom_lora_sgmv": _ARGTYPES}, logging.WARNING)
+    return None if lib is None else lib.loom_lora_sgmv
 
 
 class SgmvLayerArgs:

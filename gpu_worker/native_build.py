@@ -20,6 +20,7 @@ import platform
 import shlex
 import shutil
 import subprocess
+import threading
 from pathlib import Path
 
 import torch  # noqa: F401  (loaded first on purpose: the kernels bind to torch's libgomp)
@@ -119,3 +120,41 @@ def load_library(source: Path, cache_dir: Path) -> tuple[ctypes.CDLL | None, str
             continue
         return lib, "" if openmp else f"single-threaded ({failures[0]})"
     return None, "; ".join(failures)
+
+
+def load_kernel(
+    source: Path,
+    cache_dir: Path,
+    what: str,
+    notes: dict[Path, str],
+    functions: dict[str, list],
+    unavailable: int = logging.INFO,
+) -> ctypes.CDLL | None:
+    """:func:`load_library` for one kernel module: each of ``functions`` (name -> argtypes) returns a C int; the
+    note is kept in ``notes[cache_dir]`` and logged (a missing library at level ``unavailable``, a single-threaded
+    build as a warning), naming the kernel as ``what``."""
+    lib, note = load_library(source, cache_dir)
+    notes[cache_dir] = note
+    if lib is None:
+        log.log(unavailable, "%s unavailable: %s", what, note)
+        return None
+    if note:
+        log.warning("%s runs %s", what, note)
+    for name, argtypes in functions.items():
+        f = getattr(lib, name)
+        f.argtypes, f.restype = argtypes, ctypes.c_int
+    return lib
+
+
+_blocks = threading.local()
+
+
+def arg_block(*vals: int) -> int:
+    """The address of this thread's block of int64 arguments holding ``vals`` (at most 24): the kernels that take
+    one, because separate ctypes arguments cost ~5 us per call and a new array ~2 us. Valid until the thread's next
+    call."""
+    block = getattr(_blocks, "block", None)
+    if block is None:
+        block = _blocks.block = (ctypes.c_int64 * 24)()
+    block[: len(vals)] = vals
+    return ctypes.addressof(block)

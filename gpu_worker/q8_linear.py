@@ -12,48 +12,26 @@ measured batch size as the 4-bit weights). Scales are held in bf16, as the 4-bit
 from __future__ import annotations
 
 import ctypes
-import logging
-import threading
 from functools import cache
 from pathlib import Path
 
 import torch
 
-from gpu_worker.native_build import CSRC, load_library
-
-log = logging.getLogger(__name__)
+from gpu_worker.native_build import CSRC, arg_block, load_kernel
 
 SOURCE = CSRC / "q8_linear.c"
 GROUP = 32
 ROW_BLOCK = 64  # rows per block of the packed layout: TP shares cut at multiples of it
 GEMV_MAX_ROWS = 8  # the C GEMV's largest row count per call (csrc/q8_linear.c)
 LOAD_NOTES: dict[Path, str] = {}  # why load_q8(cache_dir) has no library, or runs single-threaded
-_local = threading.local()
 
 
 @cache
 def load_q8(cache_dir: Path) -> ctypes.CDLL | None:
     """The built library (``loom_q8_gemv``, ``loom_q8_amx``; argtypes set), built into ``cache_dir`` on first use;
     None (the reason logged and kept in ``LOAD_NOTES[cache_dir]``) where no compiler works."""
-    lib, note = load_library(SOURCE, cache_dir)
-    LOAD_NOTES[cache_dir] = note
-    if lib is None:
-        log.info("8-bit C kernels unavailable: %s", note)
-        return None
-    if note:
-        log.warning("8-bit C kernels run %s", note)
-    for f in (lib.loom_q8_gemv, lib.loom_q8_amx):
-        f.argtypes = [ctypes.c_void_p]
-        f.restype = ctypes.c_int
-    return lib
-
-
-def _args(*vals: int) -> int:
-    block = getattr(_local, "block", None)
-    if block is None:
-        block = _local.block = (ctypes.c_int64 * 16)()
-    block[: len(vals)] = vals
-    return ctypes.addressof(block)
+    sig = {"loom_q8_gemv": [ctypes.c_void_p], "loom_q8_amx": [ctypes.c_void_p]}
+    return load_kernel(SOURCE, cache_dir, "8-bit C kernels", LOAD_NOTES, sig)
 
 
 class Q8Linear:
@@ -129,7 +107,7 @@ class Q8Linear:
         o, w = (out.stride(0), bf16), (self.out_features, self.qp.data_ptr(), self.d.data_ptr())
         if bk is not None and m >= bk.min_rows and x.dtype in (torch.float32, torch.bfloat16):
             xs = x if x.stride(1) == 1 else x.contiguous()
-            rc = self.lib.loom_q8_amx(_args(m, n_pad, k, xs.data_ptr(), xs.stride(0), bf16, out.data_ptr(), *o, *w))
+            rc = self.lib.loom_q8_amx(arg_block(m, n_pad, k, xs.data_ptr(), xs.stride(0), bf16, out.data_ptr(), *o, *w))
             if rc == 2:
                 raise MemoryError("8-bit AMX kernel: out of memory")
             if rc == 0:
@@ -137,7 +115,7 @@ class Q8Linear:
         xf = x.float().contiguous()
         for r0 in range(0, m, GEMV_MAX_ROWS):
             rows = min(GEMV_MAX_ROWS, m - r0)
-            rc = self.lib.loom_q8_gemv(_args(rows, n_pad, k, xf[r0].data_ptr(), out[r0].data_ptr(), *o, *w))
+            rc = self.lib.loom_q8_gemv(arg_block(rows, n_pad, k, xf[r0].data_ptr(), out[r0].data_ptr(), *o, *w))
             if rc:
                 raise ValueError(f"8-bit GEMV refused x {tuple(x.shape)} for a [{self.out_features}, {k}] weight")
         return out if out.dtype == x.dtype else out.to(x.dtype)

@@ -11,8 +11,6 @@
  * Plain C (GCC/Clang vector extensions), compiled on the serving machine with -march=native.
  * Threads: OpenMP over the work items (torch's libgomp, one pool).
  */
-#include <math.h>
-
 #include "loom_cpu.h"
 #ifdef _OPENMP
 #include <omp.h>
@@ -53,28 +51,6 @@ static inline v16 reduce16(const v16* v) {
     return __builtin_shuffle(z, bitrev);
 }
 
-/* e^x per lane for x <= 0 (softmax after subtracting the maximum): Cody-Waite reduction to r in [-ln2/2, ln2/2],
- * a degree-7 Taylor polynomial (relative error < 1e-8 before rounding), times 2^n; below -87.3 (where e^x leaves
- * the normal floats) the result is 0. */
-static inline v16 vexp(v16 x) {
-    const v16 lo = (v16){0} - 87.3f;
-    i32x16 under = x < lo;
-    x = (v16)(((i32x16)x & ~under) | ((i32x16)lo & under));
-    v16 n = (x * 1.44269504088896341f + 12582912.f) - 12582912.f; /* round(x / ln2) by the 1.5 * 2^23 trick */
-    v16 r = x - n * 0.693145751953125f;
-    r = r - n * 1.428606765330187045e-06f;
-    v16 p = (v16){0} + 1.f / 5040.f;
-    p = p * r + 1.f / 720.f;
-    p = p * r + 1.f / 120.f;
-    p = p * r + 1.f / 24.f;
-    p = p * r + 1.f / 6.f;
-    p = p * r + 0.5f;
-    p = p * r + 1.f;
-    p = p * r + 1.f;
-    i32x16 e = (__builtin_convertvector(n, i32x16) + 127) << 23;
-    return (v16)((i32x16)(p * (v16)e) & ~under);
-}
-
 /* 32 bf16 to p from fp32 even elements e and odd elements o (round to nearest even, NaN stays NaN) */
 static inline void sth2(uint16_t* p, v16 e, v16 o) {
     u32x16 r[2];
@@ -88,10 +64,6 @@ static inline void sth2(uint16_t* p, v16 e, v16 o) {
     }
     u32x16 x = (r[0] >> 16) | (r[1] & 0xffff0000u);
     memcpy(p, &x, sizeof x);
-}
-
-static inline v16 ldx(const void* p, int64_t off, int bf16) {
-    return bf16 ? ldh((const uint16_t*)p + off) : ldf((const float*)p + off);
 }
 
 /* One (row, KV head) work item per the shapes generated from decode_attention_item.h: the shapes of the usual

@@ -9,8 +9,6 @@
  * Plain C (GCC/Clang vector extensions), compiled on the serving machine with -march=native; OpenMP over rows
  * when a call has enough of them to pay for the threads (torch's libgomp, one pool).
  */
-#include <math.h>
-
 #include "loom_cpu.h"
 #ifdef _OPENMP
 #include <omp.h>
@@ -27,17 +25,6 @@ static inline v16 bf16r(v16 f) {
     r = (r & ~(u32x16)nan) | ((u | 0x400000u) & (u32x16)nan);
     memcpy(&f, &r, sizeof f);
     return f;
-}
-
-static inline v16 ld(const void* p, int64_t off, int bf16) {
-    return bf16 ? ldh((const uint16_t*)p + off) : ldf((const float*)p + off);
-}
-
-static inline void st(void* p, int64_t off, v16 v, int bf16) {
-    if (bf16)
-        sth((uint16_t*)p + off, v);
-    else
-        memcpy((float*)p + off, &v, sizeof v);
 }
 
 /* a = {rows, n, x, xs, delta, ds, w, h, hs, bf16}: for each row, x += delta (delta 0: no add; in bf16 the sum is
@@ -62,11 +49,11 @@ int loom_add_rms_norm(const int64_t* a, float eps) {
         v16 s0 = (v16){0}, s1 = (v16){0};
         int64_t c = 0;
         for (; c < n; c += VW) {
-            v16 t = ld(xr, c, bf16);
+            v16 t = ldx(xr, c, bf16);
             if (dr) {
-                t += ld(dr, c, bf16);
+                t += ldx(dr, c, bf16);
                 if (bf16) t = bf16r(t);
-                st(xr, c, t, bf16);
+                stx(xr, c, t, bf16);
             }
             if ((c / VW) & 1)
                 s1 += t * t;
@@ -75,9 +62,9 @@ int loom_add_rms_norm(const int64_t* a, float eps) {
         }
         const float inv = 1.f / sqrtf(hsum(s0 + s1) / (float)n + eps);
         for (c = 0; c < n; c += VW) {
-            v16 y = ld(xr, c, bf16) * inv;
+            v16 y = ldx(xr, c, bf16) * inv;
             if (bf16) y = bf16r(y);
-            st(hr, c, y * ld(w, c, bf16), bf16);
+            stx(hr, c, y * ldx(w, c, bf16), bf16);
         }
     }
     return 0;
@@ -108,11 +95,11 @@ int loom_rope_store(const int64_t* a) {
         for (int64_t hd = 0; hd < nq + nkv; hd++) {
             char* x = row + hd * d * esz;
             v16 in[32];
-            for (int64_t c = 0; c < d; c += VW) in[c / VW] = ld(x, c, bf16);
+            for (int64_t c = 0; c < d; c += VW) in[c / VW] = ldx(x, c, bf16);
             for (int64_t c = 0; c < d; c += VW) {
-                v16 p = in[c / VW] * ld(ct, c, bf16), q = in[((c + half) % d) / VW] * ld(sn, c, bf16);
+                v16 p = in[c / VW] * ldx(ct, c, bf16), q = in[((c + half) % d) / VW] * ldx(sn, c, bf16);
                 if (bf16) p = bf16r(p), q = bf16r(q);
-                st(x, c, p + q, bf16);
+                stx(x, c, p + q, bf16);
             }
         }
         if (slots) {
@@ -122,29 +109,6 @@ int loom_rope_store(const int64_t* a) {
         }
     }
     return 0;
-}
-
-/* e^x per lane over the whole fp32 range: 0 below -87.3, inf above 88.7 (Cody-Waite reduction, degree-7 Taylor
- * polynomial: within an ulp or two of expf) */
-static inline v16 vexp_full(v16 x) {
-    const v16 lo = (v16){0} - 87.3f, hi = (v16){0} + 88.7f;
-    i32x16 under = x < lo, over = x > hi;
-    x = (v16)(((i32x16)x & ~(under | over)) | ((i32x16)lo & under) | ((i32x16)hi & over));
-    v16 n = (x * 1.44269504088896341f + 12582912.f) - 12582912.f;
-    v16 r = x - n * 0.693145751953125f;
-    r = r - n * 1.428606765330187045e-06f;
-    v16 p = (v16){0} + 1.f / 5040.f;
-    p = p * r + 1.f / 720.f;
-    p = p * r + 1.f / 120.f;
-    p = p * r + 1.f / 24.f;
-    p = p * r + 1.f / 6.f;
-    p = p * r + 0.5f;
-    p = p * r + 1.f;
-    p = p * r + 1.f;
-    i32x16 e = (__builtin_convertvector(n, i32x16) + 127) << 23;
-    v16 y = p * (v16)e;
-    const v16 inf = (v16){0} + INFINITY;
-    return (v16)((((i32x16)y & ~under) & ~over) | ((i32x16)inf & over));
 }
 
 /* a = {rows, f, gu, gs, out, os, bf16}: out[r][j] = silu(gate[r][j]) * up[r][j], where gu's row r holds gate then
@@ -164,10 +128,10 @@ int loom_silu_mul(const int64_t* a) {
         const char* g = gu + r * gs * esz;
         char* o = out + r * os * esz;
         for (int64_t c = 0; c < f; c += VW) {
-            v16 x = ld(g, c, bf16);
-            v16 s = x / (1.f + vexp_full(-x));
+            v16 x = ldx(g, c, bf16);
+            v16 s = x / (1.f + vexp(-x));
             if (bf16) s = bf16r(s);
-            st(o, c, s * ld(g, f + c, bf16), bf16);
+            stx(o, c, s * ldx(g, f + c, bf16), bf16);
         }
     }
     return 0;

@@ -1,7 +1,8 @@
-/* Helpers shared by Loom's C kernels: bf16 <-> fp32 scalars and 16-lane vectors, and AMX set-up (Sapphire Rapids
+/* Helpers shared by Loom's C kernels: bf16 <-> fp32 scalars, 16-lane vectors (loads, stores, e^x), and AMX set-up (Sapphire Rapids
  * and later). */
 #ifndef LOOM_CPU_H
 #define LOOM_CPU_H
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -56,6 +57,41 @@ static inline float hsum(v16 v) {
     float s = 0.f;
     for (int i = 0; i < VW; i++) s += v[i];
     return s;
+}
+
+static inline v16 ldx(const void* p, int64_t off, int bf16) { /* 16 bf16 or fp32 values as fp32 */
+    return bf16 ? ldh((const uint16_t*)p + off) : ldf((const float*)p + off);
+}
+
+static inline void stx(void* p, int64_t off, v16 v, int bf16) { /* 16 values stored as bf16 (rounded) or fp32 */
+    if (bf16)
+        sth((uint16_t*)p + off, v);
+    else
+        memcpy((float*)p + off, &v, sizeof v);
+}
+
+/* e^x per lane over the whole fp32 range: 0 below -87.3 (where e^x leaves the normal floats), inf above 88.7;
+ * Cody-Waite reduction to r in [-ln2/2, ln2/2], a degree-7 Taylor polynomial (relative error < 1e-8 before
+ * rounding), times 2^n: within an ulp or two of expf */
+static inline v16 vexp(v16 x) {
+    const v16 lo = (v16){0} - 87.3f, hi = (v16){0} + 88.7f;
+    i32x16 under = x < lo, over = x > hi;
+    x = (v16)(((i32x16)x & ~(under | over)) | ((i32x16)lo & under) | ((i32x16)hi & over));
+    v16 n = (x * 1.44269504088896341f + 12582912.f) - 12582912.f;
+    v16 r = x - n * 0.693145751953125f;
+    r = r - n * 1.428606765330187045e-06f;
+    v16 p = (v16){0} + 1.f / 5040.f;
+    p = p * r + 1.f / 720.f;
+    p = p * r + 1.f / 120.f;
+    p = p * r + 1.f / 24.f;
+    p = p * r + 1.f / 6.f;
+    p = p * r + 0.5f;
+    p = p * r + 1.f;
+    p = p * r + 1.f;
+    i32x16 e = (__builtin_convertvector(n, i32x16) + 127) << 23;
+    v16 y = p * (v16)e;
+    const v16 inf = (v16){0} + INFINITY;
+    return (v16)((((i32x16)y & ~under) & ~over) | ((i32x16)inf & over));
 }
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
