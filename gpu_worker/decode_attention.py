@@ -141,15 +141,24 @@ def _faster_than_sdpa(fn: ctypes._CFuncPtr) -> tuple[bool, str]:  # type: ignore
     return wins, "; ".join(parts)
 
 
-def as_callable(fn: ctypes._CFuncPtr) -> DecodeAttention:  # type: ignore[name-defined]
-    """``fn`` as the ``(q, k, v, lengths, scale, index=None) -> out`` callable :class:`~gpu_worker.model.LlamaShard`
-    takes; it does not check ``index`` against the cache (the worker checks each step's slot tables once)."""
+class CDecodeAttention:
+    """The C kernel as the ``(q, k, v, lengths, scale, index=None) -> out`` callable
+    :class:`~gpu_worker.model.LlamaShard` takes; it does not check ``index`` against the cache (the worker checks
+    each step's slot tables once). ``fn`` is the C function itself, which a pure decode step binds once for all
+    layers (:mod:`gpu_worker.bound_decode`)."""
 
-    def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor | None, scale: float,
-            index: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
-        return decode_attention(fn, q, k, v, lengths, scale, index, check_index=False)
+    def __init__(self, fn: ctypes._CFuncPtr) -> None:  # type: ignore[name-defined]
+        self.fn = fn
 
-    return run
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor | None, scale: float,
+                 index: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+        """:func:`decode_attention` on this kernel, ``index`` unchecked."""
+        return decode_attention(self.fn, q, k, v, lengths, scale, index, check_index=False)
+
+
+def as_callable(fn: ctypes._CFuncPtr) -> CDecodeAttention:  # type: ignore[name-defined]
+    """``fn`` as the callable :class:`~gpu_worker.model.LlamaShard` takes (see :class:`CDecodeAttention`)."""
+    return CDecodeAttention(fn)
 
 
 def choose_decode_attention(cache_dir: Path, group: object | None = None) -> tuple[DecodeAttention | None, str]:

@@ -15,7 +15,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from gpu_worker.decode_attention import DecodeAttention
+from gpu_worker.bound_decode import BoundDecode
+from gpu_worker.decode_attention import CDecodeAttention, DecodeAttention
 from gpu_worker.decode_mirror import MirrorUse, mirrored_kv
 from gpu_worker.kv_cache import KVCache
 from gpu_worker.layer_ops import LayerOps
@@ -156,6 +157,7 @@ class LlamaShard:
         self.decode_attn: DecodeAttention | None = None
         # the small per-layer operations fused in C (gpu_worker.layer_ops), set by the worker on CPU
         self.layer_ops: LayerOps | None = None
+        self._norms_bindable: bool | None = None  # see _bind_decode
         # vocab-parallel head at TP > 1: this rank's rows only (views), joined by one all-reduce per step
         self.vocab = cfg.vocab_size
         self.vocab_lo, self.vocab_hi = vocab_range(cfg.vocab_size, self.tp, plan.rank)
@@ -261,19 +263,20 @@ class LlamaShard:
         od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=g.mask, scale=scale, enable_gqa=True)
         return od[:, :, 0, :].to(q.dtype)
 
-    @torch.inference_mode()
-    def forward(self, s: StepInputs, kv: KVCache, lora: LoraApplier | None = None) -> torch.Tensor:
-        """Run one step; write new K/V to ``s.out_slots``; return last-token logits ``[B, vocab]`` fp32."""
-        cfg, w = self.cfg, self.w
-        nq, nkv, d = self.nq, self.nkv, self.d
-        emb = w["embed"]
-        x = F.embedding(s.input_ids, emb) if isinstance(emb, torch.Tensor) else emb.rows(s.input_ids, self.dtype)
-        cos, sin = self._rope(s.positions, x.dtype)
-        ops = self.layer_ops
-        if ops is not None and not (ops.takes(x, cfg.hidden_size) and d % 32 == 0 and self.ffn_local % 16 == 0):
-            ops = None
+    def _layers(
+        self,
+        s: StepInputs,
+        kv: KVCache,
+        lora: LoraApplier | None,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        ops: LayerOps | None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Every layer with a call per operation (any step): -> (``x``, the last layer's MLP output not yet added)."""
+        cfg, nq, nkv, d = self.cfg, self.nq, self.nkv, self.d
         pending = None  # the previous layer's MLP output, added to x by the next layer's norm
-        for i, lw in enumerate(w["layers"]):
+        for i, lw in enumerate(self.w["layers"]):
             if ops is not None:
                 h = ops.add_rms_norm(x, pending, lw["input_norm"], cfg.rms_norm_eps)  # x += pending in place
             else:
@@ -316,6 +319,74 @@ class LlamaShard:
             if lora is not None:
                 lora.add(i, "down", m, dn)
             pending = self._all_reduce(dn)
+        return x, pending
+
+    def _bind_decode(
+        self, s: StepInputs, kv: KVCache, x: torch.Tensor, ops: LayerOps | None, cos: torch.Tensor, sin: torch.Tensor
+    ) -> BoundDecode | None:
+        """The step's C kernels bound for all layers (:mod:`gpu_worker.bound_decode`) when it is a pure decode step
+        on the C layer ops and C decode attention over the paged cache; else None (per-call path)."""
+        if ops is None or not isinstance(self.decode_attn, CDecodeAttention) or s.prefill_rows:
+            return None
+        if len(s.decode_groups) != 1:
+            return None
+        g = s.decode_groups[0]
+        if not g.every_token or g.mirror is not None or (g.lengths is None and g.mask is not None):
+            return None
+        if self._norms_bindable is None:  # once: every norm weight a contiguous vector in the activation dtype
+            norms = [lw[k] for lw in self.w["layers"] for k in ("input_norm", "post_norm")]
+            self._norms_bindable = all(isinstance(t, torch.Tensor) and t.is_contiguous() and t.dtype == self.dtype
+                                       for t in norms)  # fmt: skip
+        if not self._norms_bindable or x.dtype != self.dtype:
+            return None
+        n = g.token_index.shape[0]
+        try:
+            return BoundDecode(ops, self.decode_attn.fn, x, (self.nq, self.nkv, self.d), self.ffn_local, cos[:, 0],
+                               sin[:, 0], s.out_slots, g.kv_slots.view(n, g.length), g.lengths, kv,
+                               1.0 / math.sqrt(self.d))  # fmt: skip
+        except ValueError:
+            return None
+
+    def _layers_bound(self, b: BoundDecode, lora: LoraApplier | None) -> torch.Tensor:
+        """Every layer of a pure decode step on the bound C kernels (the same operations as :meth:`_layers`, in
+        place on ``b.x``) -> the last layer's MLP output, not yet added."""
+        eps = self.cfg.rms_norm_eps
+        pending = None
+        for i, lw in enumerate(self.w["layers"]):
+            h = b.add_rms_norm(pending, lw["input_norm"], eps)
+            qkv = self._mm(h, lw["qkv"])
+            if lora is not None:
+                lora.add(i, "qkv", h, qkv)
+            a = b.rope_attend(i, qkv)
+            o = self._mm(a, lw["o"])
+            if lora is not None:
+                lora.add(i, "o", a, o)
+            h = b.add_rms_norm(self._all_reduce(o), lw["post_norm"], eps)
+            gu = self._mm(h, lw["gate_up"])
+            if lora is not None:
+                lora.add(i, "gate_up", h, gu)
+            m = b.silu_mul(gu)
+            dn = self._mm(m, lw["down"])
+            if lora is not None:
+                lora.add(i, "down", m, dn)
+            pending = self._all_reduce(dn)
+        return pending
+
+    @torch.inference_mode()
+    def forward(self, s: StepInputs, kv: KVCache, lora: LoraApplier | None = None) -> torch.Tensor:
+        """Run one step; write new K/V to ``s.out_slots``; return last-token logits ``[B, vocab]`` fp32."""
+        cfg, w, d = self.cfg, self.w, self.d
+        emb = w["embed"]
+        x = F.embedding(s.input_ids, emb) if isinstance(emb, torch.Tensor) else emb.rows(s.input_ids, self.dtype)
+        cos, sin = self._rope(s.positions, x.dtype)
+        ops = self.layer_ops
+        if ops is not None and not (ops.takes(x, cfg.hidden_size) and d % 32 == 0 and self.ffn_local % 16 == 0):
+            ops = None
+        bound = self._bind_decode(s, kv, x, ops, cos, sin)
+        if bound is not None:
+            pending = self._layers_bound(bound, lora)
+        else:
+            x, pending = self._layers(s, kv, lora, x, cos, sin, ops)
         if pending is not None:
             x = x + pending
         last = x if s.every_token_last else x[s.last_token_index]

@@ -291,10 +291,14 @@ class Worker:
 
         A group grows while its padded size (rows x longest history) stays within 1.25x its real tokens plus
         64 per row, so a 4,000-token request does not make 63 short ones gather and attend 4,000 positions.
+        The C decode attention over the paged cache reads each row's own length whatever the group's, so there
+        all rows form one group in plan order (one call per layer; a pure decode step binds its kernels once).
         """
         dev = self.device
         order = sorted(range(len(rows)), key=lambda i: fb.reqs[rows[i]].prefix_len)
         groups: list[list[int]] = []
+        if self.model.decode_attn is not None and self.decode_mirror is None and rows:
+            groups, order = [list(range(len(rows)))], []
         real = 0
         for i in order:
             n = fb.reqs[rows[i]].prefix_len + 1
