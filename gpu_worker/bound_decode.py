@@ -125,7 +125,10 @@ class BoundDecode:
             raise ValueError("rope_store refused the step's head shape")
         a = self.attn_args
         a[5], a[6], a[8], a[12] = q, qs, kp, vp
-        if self.attn_fn(self.attn_addr, self.scale):
+        rc = self.attn_fn(self.attn_addr, self.scale)
+        if rc == -2:
+            raise MemoryError("C decode attention: no memory for the split histories' partial results")
+        if rc:
             raise ValueError("C decode attention refused the step's lengths or shapes")
         return self.a
 

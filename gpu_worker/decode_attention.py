@@ -77,8 +77,12 @@ def decode_attention(
     ``check_index=False`` skips checking that ``index`` stays inside the cache (for a caller that checked it once
     for all layers: a row outside would be read out of bounds).
 
+    Histories over 512 keys are attended in equal chunks on separate threads and merged (flash-decoding): a row's
+    result depends on its own length only, never on the rows batched with it.
+
     Raises:
         ValueError: a shape, dtype, length or cache row the kernel does not take (see :func:`supports`).
+        MemoryError: no memory for the chunks' partial results.
     """
     g, nq, d = q.shape
     if index is None:
@@ -107,7 +111,10 @@ def decode_attention(
     args = arg_block(g, nq, nkv, d, length, q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), *kst,
                      v.data_ptr(), *vst, 0 if lens is None else lens.data_ptr(), out.data_ptr(), out.stride(0),
                      out.stride(1), int(q.dtype == torch.bfloat16), 0 if idx is None else idx.data_ptr())  # fmt: skip
-    if fn(args, scale):
+    rc = fn(args, scale)
+    if rc == -2:
+        raise MemoryError("C decode attention: no memory for the split histories' partial results")
+    if rc:
         shown = "all" if lens is None else lens.tolist()[:8]
         raise ValueError(f"C decode attention refused lengths {shown} (L = {length}) or its shapes")
     return out

@@ -31,6 +31,9 @@ from gpu_worker.int4_amx import BatchKernel, amx_mm
 GROUP = 32  # GGUF block size and the int4 kernel's group size
 _KERNEL_DTYPE = torch.bfloat16
 _AMX_X = (torch.float32, torch.bfloat16)
+# the overloads themselves: calling the packet (torch.ops.aten.X) resolves the overload on every call, ~1 us
+_INT4_MM = torch.ops.aten._weight_int4pack_mm_for_cpu.default
+_INT8_MM = torch.ops.aten._weight_int8pack_mm.default
 
 # the batched AMX kernel (gpu_worker.int4_amx.BatchKernel) Int4Linear.mm uses from its min_rows up; None = PyTorch's
 # kernel for every batch. Set once per process by the worker (gpu_worker.int4_amx.choose_batch_kernel).
@@ -124,7 +127,7 @@ class Int4Linear:
         xk = x if x.dtype == _KERNEL_DTYPE else x.to(_KERNEL_DTYPE)
         if self.dup_input:
             xk = torch.cat([xk, xk], dim=-1)
-        out = torch.ops.aten._weight_int4pack_mm_for_cpu(xk, self.packed, GROUP, self.scales_zeros)
+        out = _INT4_MM(xk, self.packed, GROUP, self.scales_zeros)
         if out.shape[1] != self.out_features:
             out = out[:, : self.out_features]
         return out if out.dtype == x.dtype else out.to(x.dtype)
@@ -150,7 +153,7 @@ class Int8Linear:
     def mm(self, x: torch.Tensor) -> torch.Tensor:
         """``x [M, K]`` (any float dtype) -> ``[M, N]`` in ``x.dtype``."""
         xk = x if x.dtype == _KERNEL_DTYPE else x.to(_KERNEL_DTYPE)
-        out = torch.ops.aten._weight_int8pack_mm(xk, self.q, self.scales)
+        out = _INT8_MM(xk, self.q, self.scales)
         return out if out.dtype == x.dtype else out.to(x.dtype)
 
     def out_rows(self, lo: int, hi: int) -> Int8Linear:

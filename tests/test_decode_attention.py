@@ -111,6 +111,32 @@ def test_a_long_history_and_large_scores_stay_exact(fn):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_histories_split_into_chunks_are_exact_and_batch_invariant(fn, dtype):
+    """Over 512 keys a row is attended in equal chunks merged afterwards: exact at the split points, in place on a
+    paged cache as over a gather, never reading past a row's length, and each row's output the same bits alone as
+    in any batch (the split depends on its own length only)."""
+    g = torch.Generator().manual_seed(13)
+    lens = [512, 513, 700, 1024, 1025, 1537, 3]
+    length, slots = max(lens), 4000
+    kc = (torch.randn(slots, 3, 64, generator=g) * 2).to(dtype)
+    vc = torch.randn(slots, 3, 64, generator=g).to(dtype)
+    index = torch.stack([torch.randperm(slots, generator=g)[:length] for _ in lens])
+    lengths = torch.tensor(lens)
+    q = torch.randn(len(lens), 9, 64, generator=g).to(dtype)
+    got = decode_attention(fn, q, kc, vc, lengths, 0.125, index)
+    kd, vd = kc[index].transpose(1, 2), vc[index].transpose(1, 2)
+    assert torch.equal(got, decode_attention(fn, q, kd, vd, lengths, 0.125))
+    check(got, reference(q, kd, vd, lengths, 0.125))
+    for r in range(len(lens)):
+        alone = decode_attention(fn, q[r : r + 1], kc, vc, lengths[r : r + 1], 0.125, index[r : r + 1])
+        assert torch.equal(alone[0], got[r]), r
+    kp, vp = kd.clone(), vd.clone()
+    for r, n in enumerate(lens):
+        kp[r, :, n:], vp[r, :, n:] = float("nan"), float("inf")
+    assert torch.equal(decode_attention(fn, q, kp, vp, lengths, 0.125), got)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_mirror_and_gather_layouts_read_the_same_values(fn, dtype):
     """The decode mirror's view ``[rows, kv, len_cap, d][:, :, :L]`` and the paged-cache gather's transposed view
     ``[rows, L, kv, d].transpose(1, 2)``, with q a head slice of the fused q|k tensor: bit-identical results."""

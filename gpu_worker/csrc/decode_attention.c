@@ -12,6 +12,7 @@
  * Threads: OpenMP over the work items (torch's libgomp, one pool).
  */
 #include "loom_cpu.h"
+#include <stdlib.h>
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -26,6 +27,20 @@
 #define BK 64     /* keys per softmax block */
 #define MAXD 256  /* head_dim: a multiple of 16 up to this */
 #define MAXREP 16 /* query heads per KV head */
+#define CH 512    /* longest history one work item attends (longer: split into equal chunks) */
+
+/* This thread's scratch for split rows' partial states, grown as needed and kept (one call per layer per step) */
+static __thread float* scratch;
+static __thread int64_t scratch_n;
+static float* scratch_for(int64_t n) {
+    if (n > scratch_n) {
+        free(scratch);
+        scratch_n = 0;
+        if (posix_memalign((void**)&scratch, 64, sizeof(float) * n)) return scratch = 0;
+        scratch_n = n;
+    }
+    return scratch;
+}
 
 
 /* 16 vectors -> one whose lane j is the sum of v[j]'s lanes: a transpose-and-add tree of 4 levels (15 pairs of
@@ -66,10 +81,27 @@ static inline void sth2(uint16_t* p, v16 e, v16 o) {
     memcpy(p, &x, sizeof x);
 }
 
+/* One query head's output from its accumulators (C vectors; for bf16, even dims in acc[2c], odd in acc[2c + 1]) */
+static inline void store_head(void* out, const v16* acc, float inv, int C, int bf) {
+    if (bf)
+        for (int c = 0; c < C; c += 2) sth2((uint16_t*)out + c * VW, acc[c] * inv, acc[c + 1] * inv);
+    else
+        for (int c = 0; c < C; c++) {
+            v16 o = acc[c] * inv;
+            memcpy((float*)out + c * VW, &o, sizeof o);
+        }
+}
+
+/* A chunk's state for query head i of rep: its d accumulators (as held), then m[rep] and l[rep] after all heads */
+static inline void store_part(float* part, int i, int rep, int d, const v16* acc, float m, float l) {
+    memcpy(part + i * d, acc, sizeof(float) * d);
+    part[rep * d + i] = m, part[rep * d + rep + i] = l;
+}
+
 /* One (row, KV head) work item per the shapes generated from decode_attention_item.h: the shapes of the usual
  * models (head_dim 64 or 128; 1, 2, 3, 4 or 8 query heads per KV head) have their own version, others the general. */
 typedef void (*attend_fn)(const void*, int64_t, const void*, int64_t, const void*, int64_t, const int64_t*, int64_t,
-                          float, void*, int64_t, int, int, int);
+                          float, void*, int64_t, int, int, int, float*);
 #define ATT_NAME attend_64_1_1
 #define ATT_D 64
 #define ATT_REP 1
@@ -274,7 +306,9 @@ static attend_fn pick(int64_t d, int rep, int bf16) {
  * of int64 [G], row g attending to its first lens[g] positions (1 <= lens[g] <= L), or 0 for all L. bf16: 1 if q,
  * k, v and out are bf16, 0 if fp32. Returns 0, or -1 for a shape it does not take (d not a multiple of 16 or over
  * MAXD (of 32 for bf16), nq not a multiple of nkv, more than MAXREP query heads per KV head, a length out of
- * range). */
+ * range), or -2 when out of memory. Histories longer than CH keys are split into chunks of CH, each its own work
+ * item, merged afterwards (flash-decoding, Dao et al. 2023): one row's few KV heads then keep every thread busy, and
+ * a row's result depends only on its own length, never on the batch around it. */
 int loom_decode_attention(const int64_t* a, float scale) {
     const int64_t G = a[0], nq = a[1], nkv = a[2], d = a[3], L = a[4];
     const char *q = (const char*)a[5], *k = (const char*)a[8], *v = (const char*)a[12];
@@ -290,14 +324,66 @@ int loom_decode_attention(const int64_t* a, float scale) {
     const int rep = (int)(nq / nkv);
     const int64_t esz = bf16 ? 2 : 4;
     const attend_fn fn = pick(d, rep, bf16);
-#ifdef _OPENMP
-#pragma omp parallel for schedule(static) if (G * nkv > 1)
-#endif
-    for (int64_t it = 0; it < G * nkv; it++) {
-        const int64_t g = it / nkv, h = it % nkv, row = index ? 0 : g;
-        fn(q + (g * qs0 + h * rep * qs1) * esz, qs1, k + (row * ks0 + h * ks1) * esz, ks2,
-           v + (row * vs0 + h * vs1) * esz, vs2, index ? index + g * L : 0, lens ? lens[g] : L, scale,
-           out + (g * os0 + h * rep * os1) * esz, os1, (int)d, rep, bf16);
+    /* work items: (chunk of CH keys of a row, KV head); start[g] is row g's first chunk */
+    int64_t start_local[65];
+    int64_t* start = G < 65 ? start_local : (int64_t*)malloc(sizeof(int64_t) * (G + 1));
+    if (!start) return -2;
+    start[0] = 0;
+    for (int64_t g = 0; g < G; g++) start[g + 1] = start[g] + ((lens ? lens[g] : L) + CH - 1) / CH;
+    const int64_t items = start[G] * nkv, psz = rep * d + 2 * rep;
+    float* part = 0;
+    if (start[G] > G && !(part = scratch_for(items * psz))) {
+        if (start != start_local) free(start);
+        return -2;
     }
+#ifdef _OPENMP
+#pragma omp parallel if (items > 1)
+#endif
+    {
+#ifdef _OPENMP
+#pragma omp for schedule(static)
+#endif
+        for (int64_t it = 0; it < items; it++) {
+            const int64_t c = it / nkv, h = it % nkv;
+            int64_t lo = 0, hi = G; /* the row of chunk c: start[g] <= c < start[g + 1] */
+            while (hi - lo > 1) {
+                const int64_t mid = (lo + hi) / 2;
+                if (start[mid] <= c) lo = mid; else hi = mid;
+            }
+            const int64_t g = lo, n = lens ? lens[g] : L, nc = start[g + 1] - start[g], row = index ? 0 : g;
+            const int64_t j0 = n * (c - start[g]) / nc, cnt = n * (c - start[g] + 1) / nc - j0; /* equal chunks */
+            const int whole = nc == 1;
+            fn(q + (g * qs0 + h * rep * qs1) * esz, qs1, k + (row * ks0 + h * ks1 + (index ? 0 : j0 * ks2)) * esz, ks2,
+               v + (row * vs0 + h * vs1 + (index ? 0 : j0 * vs2)) * esz, vs2, index ? index + g * L + j0 : 0,
+               cnt, scale, out + (g * os0 + h * rep * os1) * esz, os1, (int)d, rep, bf16,
+               whole ? 0 : part + it * psz);
+        }
+        if (part) {
+#ifdef _OPENMP
+#pragma omp for schedule(static)
+#endif
+            for (int64_t gh = 0; gh < G * nkv; gh++) { /* merge a split row's chunks (flash-decoding's reduction) */
+                const int64_t g = gh / nkv, h = gh % nkv, c0 = start[g], nc = start[g + 1] - c0;
+                if (nc == 1) continue;
+                for (int i = 0; i < rep; i++) {
+                    v16 acc[MAXD / VW];
+                    float mx = -INFINITY, sum = 0.f;
+                    for (int64_t c = 0; c < nc; c++) {
+                        const float m = part[((c0 + c) * nkv + h) * psz + rep * d + i];
+                        mx = m > mx ? m : mx;
+                    }
+                    for (int cc = 0; cc < d / VW; cc++) acc[cc] = (v16){0};
+                    for (int64_t c = 0; c < nc; c++) {
+                        const float* pc = part + ((c0 + c) * nkv + h) * psz;
+                        const float w = expf(pc[rep * d + i] - mx);
+                        sum += w * pc[rep * d + rep + i];
+                        for (int cc = 0; cc < d / VW; cc++) acc[cc] += w * ldf(pc + i * d + cc * VW);
+                    }
+                    store_head(out + (g * os0 + (h * rep + i) * os1) * esz, acc, 1.f / sum, (int)(d / VW), bf16);
+                }
+            }
+        }
+    }
+    if (start != start_local) free(start);
     return 0;
 }

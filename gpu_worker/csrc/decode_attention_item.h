@@ -7,9 +7,11 @@
  * With constant sizes the accumulators are fixed-size arrays indexed by constants, which the compiler keeps in
  * vector registers (a variable-length array would live on the stack).
  * q: REP heads at head stride qsh; k/v: key j at element offset KEY(j) * ks / vs, where KEY(j) is idx[j] (the
- * paged cache's slot of position j) or j when idx is 0; len keys; out: REP heads at stride osh. */
+ * paged cache's slot of position j) or j when idx is 0; len keys; out: REP heads at stride osh. With part (not 0)
+ * the item is one chunk of a longer history: it leaves its unnormalised state there instead (see store_part). */
 static void ATT_NAME(const void* q, int64_t qsh, const void* k, int64_t ks, const void* v, int64_t vs,
-                     const int64_t* idx, int64_t len, float scale, void* out, int64_t osh, int d, int rep, int bf16) {
+                     const int64_t* idx, int64_t len, float scale, void* out, int64_t osh, int d, int rep, int bf16,
+                     float* part) {
     (void)d, (void)rep, (void)bf16; /* the general version reads them; the constant versions do not */
 #define KEY(j) (idx ? idx[j] : (j))
     enum { CC = ATT_DCAP / VW };
@@ -107,16 +109,11 @@ static void ATT_NAME(const void* q, int64_t qsh, const void* k, int64_t ks, cons
             }
         }
     }
-    for (int i = 0; i < REP; i++) {
-        float inv = 1.f / l[i];
-        if (BF)
-            for (int c = 0; c < C; c += 2) sth2((uint16_t*)out + i * osh + c * VW, acc[i][c] * inv, acc[i][c + 1] * inv);
-        else
-            for (int c = 0; c < C; c++) {
-                v16 o = acc[i][c] * inv;
-                memcpy((float*)out + i * osh + c * VW, &o, sizeof o);
-            }
+    if (part) {
+        for (int i = 0; i < REP; i++) store_part(part, i, REP, D, acc[i], m[i], l[i]);
+        return;
     }
+    for (int i = 0; i < REP; i++) store_head((char*)out + i * osh * (BF ? 2 : 4), acc[i], 1.f / l[i], C, BF);
 }
 
 #undef KEY
