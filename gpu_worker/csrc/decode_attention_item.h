@@ -29,6 +29,14 @@ static void ATT_NAME(const void* q, int64_t qsh, const void* k, int64_t ks, cons
         const int nb = (int)(len - j0 < BK ? len - j0 : BK);
         for (int jg = 0; jg < nb; jg += 16) { /* scores of 16 keys at a time (keys past the history score 0) */
             const int ng = nb - jg < 16 ? nb - jg : 16;
+            /* while these keys score: ask for their values (read by P.V below) and the next block's keys */
+            for (int jj = 0; jj < ng; jj++) {
+                const int64_t jn = j0 + BK + jg + jj;
+                for (int b = 0; b < D * (BF ? 2 : 4); b += 64) {
+                    __builtin_prefetch((const char*)v + (KEY(j0 + jg + jj) * vs) * (BF ? 2 : 4) + b, 0, 3);
+                    if (jn < len) __builtin_prefetch((const char*)k + (KEY(jn) * ks) * (BF ? 2 : 4) + b, 0, 3);
+                }
+            }
             if (!dot) {
                 for (int jj = 0; jj < ng; jj++)
                     for (int c = 0; c < C; c++) {
