@@ -88,6 +88,38 @@ def _generate(llm: Any, ids: Sequence[int], new_tokens: int) -> list[int]:
     return out
 
 
+class BatchOne:
+    """llama.cpp loaded once for batch-1 runs taken in turns with Loom's (bench/serving.py pairs them), or None
+    from :meth:`load` when llama-cpp-python is not installed."""
+
+    def __init__(self, llm: Any, ids: list[int], new_tokens: int) -> None:
+        self.llm, self.ids, self.new_tokens = llm, ids, new_tokens
+
+    @classmethod
+    def load(cls, gguf: Path, chat: list[dict[str, str]], new_tokens: int, n_threads: int) -> BatchOne | None:
+        """Load ``gguf`` on ``n_threads`` threads; the request is ``chat`` in Loom's token ids (4-token warm-up)."""
+        try:
+            import llama_cpp
+        except ImportError:
+            return None
+        ids = prompt_ids(gguf, [chat])[0]
+        n_ctx = -(-(len(ids) + new_tokens + 1) // 256) * 256
+        llm = llama_cpp.Llama(
+            model_path=str(gguf), n_ctx=n_ctx, n_threads=n_threads, n_threads_batch=n_threads, verbose=False
+        )
+        _generate(llm, ids, 4)
+        return cls(llm, ids, new_tokens)
+
+    def one(self) -> float:
+        """Batch-1 tok/s of one request (prefill included, as Loom's)."""
+        t = time.perf_counter()
+        out = _generate(self.llm, self.ids, self.new_tokens)
+        return len(out) / (time.perf_counter() - t)
+
+    def close(self) -> None:
+        self.llm.close()
+
+
 class _Batched:
     """A second context on the same model, holding ``n_seq`` sequences at once, for true batched decoding."""
 

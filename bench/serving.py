@@ -12,8 +12,9 @@ the Loom / transformers and Loom / llama.cpp ratios and each engine's concurrent
 llama.cpp columns appear when ``llama-cpp-python`` is installed (optional, never a Loom dependency; see
 bench/llamacpp.py): it runs the same GGUF Loom converts (its own quantised weights) with Loom's prompt token ids,
 on as many threads as Loom's workers, its ``n`` requests once one after another ("sequential", its high-level
-API) and once decoded together through ``llama_batch`` ("batched"). See bench/scaling.py for tok/s against
-concurrency and context length.
+API) and once decoded together through ``llama_batch`` ("batched"); and, while Loom's cluster is still up, batch 1
+again with Loom and llama.cpp taking turns, whose median paired ratio is steadier than the ratio of medians
+measured minutes apart. See bench/scaling.py for tok/s against concurrency and context length.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import re
 import time
 
 from common import bench_header, chat_prompts, loadavg, loom_cluster, median
-from llamacpp import INSTALL_HINT, describe, loom_threads, measure
+from llamacpp import INSTALL_HINT, BatchOne, describe, loom_threads, measure
 
 
 class LoomRuns:
@@ -142,6 +143,18 @@ def main() -> None:
         del hf
         # llama.cpp gets as many threads as Loom's workers logged, in all (else the rule they follow)
         logged = [int(n) for n in re.findall(r"rank \d+: (\d+) ", cluster.worker_threads())]
+        cpp_one = None  # batch 1 again, Loom and llama.cpp in turns: the ratio that issue 13 asks about
+        try:
+            one = BatchOne.load(embedded_gguf_path(), prompts[0], a.new_tokens, sum(logged) or loom_threads(a.tp_size))
+            if one is not None:
+                loom = LoomRuns(cluster.endpoint, prompts, a.new_tokens)
+                try:
+                    cpp_one = paired(loom.one, one.one, a.repeats)
+                finally:
+                    loom.close()
+                    one.close()
+        except Exception as e:  # noqa: BLE001 - optional, as below
+            print(f"paired llama.cpp batch-1 runs skipped: {type(e).__name__}: {e}")
     try:
         lcpp = measure(
             embedded_gguf_path(),
@@ -180,6 +193,10 @@ def main() -> None:
         return line
 
     print(row("batch 1", l1, h1, lcpp and lcpp.batch1, pair=r1))
+    if cpp_one is not None:
+        lo, co, ro = cpp_one
+        line = f"{'batch 1, Loom and llama.cpp in turns':<{w}}{lo:>10.1f}{'':>24}"
+        print(line + f"{co:>11.1f}{ro:>16.2f}   (median of paired ratios)")
     print(row(f"{a.batch} concurrent/padded/batched", lb, hb, lcpp and lcpp.batched, pair=rb))
     if lcpp is not None:
         print(row(f"{a.batch} sequential (one after another)", None, None, lcpp.sequential))
