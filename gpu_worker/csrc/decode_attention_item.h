@@ -27,20 +27,25 @@ static void ATT_NAME(const void* q, int64_t qsh, const void* k, int64_t ks, cons
     }
     for (int64_t j0 = 0; j0 < len; j0 += BK) {
         const int nb = (int)(len - j0 < BK ? len - j0 : BK);
+        int64_t ko[BK], vo[BK]; /* the block's keys' and values' element offsets, looked up once */
+        for (int j = 0; j < nb; j++) {
+            const int64_t r = KEY(j0 + j);
+            ko[j] = r * ks, vo[j] = r * vs;
+        }
+        /* while this block's keys score, ask for its values (read by P.V below) and the next block's keys */
+        for (int j = 0; j < nb; j++) {
+            const int64_t jn = j0 + BK + j;
+            for (int b = 0; b < D * (BF ? 2 : 4); b += 64) {
+                __builtin_prefetch((const char*)v + vo[j] * (BF ? 2 : 4) + b, 0, 3);
+                if (jn < len) __builtin_prefetch((const char*)k + KEY(jn) * ks * (BF ? 2 : 4) + b, 0, 3);
+            }
+        }
         for (int jg = 0; jg < nb; jg += 16) { /* scores of 16 keys at a time (keys past the history score 0) */
             const int ng = nb - jg < 16 ? nb - jg : 16;
-            /* while these keys score: ask for their values (read by P.V below) and the next block's keys */
-            for (int jj = 0; jj < ng; jj++) {
-                const int64_t jn = j0 + BK + jg + jj;
-                for (int b = 0; b < D * (BF ? 2 : 4); b += 64) {
-                    __builtin_prefetch((const char*)v + (KEY(j0 + jg + jj) * vs) * (BF ? 2 : 4) + b, 0, 3);
-                    if (jn < len) __builtin_prefetch((const char*)k + (KEY(jn) * ks) * (BF ? 2 : 4) + b, 0, 3);
-                }
-            }
             if (!dot) {
                 for (int jj = 0; jj < ng; jj++)
                     for (int c = 0; c < C; c++) {
-                        v16 t = ldx(k, KEY(j0 + jg + jj) * ks + c * VW, BF);
+                        v16 t = ldx(k, ko[jg + jj] + c * VW, BF);
                         memcpy(kf + jj * D + c * VW, &t, sizeof t);
                     }
                 if (ng < 16) memset(kf + ng * D, 0, sizeof(float) * (16 - ng) * D);
@@ -56,7 +61,7 @@ static void ATT_NAME(const void* q, int64_t qsh, const void* k, int64_t ks, cons
         __m512 t = _mm512_setzero_ps();                                                               \
         for (int c = 0; c < D / 32; c++)                                                              \
             t = _mm512_dpbf16_ps(t, (__m512bh)_mm512_loadu_si512(qh + c * 32),                        \
-                                 (__m512bh)_mm512_loadu_si512(kh + KEY(j0 + jg + (jj)) * ks + c * 32));              \
+                                 (__m512bh)_mm512_loadu_si512(kh + ko[jg + (jj)] + c * 32));                       \
         a[jj] = (v16)t;                                                                               \
     } while (0)
                     if (ng == 16)
@@ -106,11 +111,11 @@ static void ATT_NAME(const void* q, int64_t qsh, const void* k, int64_t ks, cons
             if (BF) /* 32 bf16 -> even and odd elements as fp32 in two shifts: acc[i][2c] holds even dims, 2c + 1 odd */
                 for (int c = 0; c < C; c += 2) {
                     u32x16 x;
-                    memcpy(&x, (const uint16_t*)v + KEY(j0 + j) * vs + c * VW, sizeof x);
+                    memcpy(&x, (const uint16_t*)v + vo[j] + c * VW, sizeof x);
                     vr[c] = (v16)(x << 16), vr[c + 1] = (v16)(x & 0xffff0000u);
                 }
             else
-                for (int c = 0; c < C; c++) vr[c] = ldf((const float*)v + KEY(j0 + j) * vs + c * VW);
+                for (int c = 0; c < C; c++) vr[c] = ldf((const float*)v + vo[j] + c * VW);
             for (int i = 0; i < REP; i++) {
                 float p = sc[i * BK + j];
                 for (int c = 0; c < C; c++) acc[i][c] += p * vr[c];
