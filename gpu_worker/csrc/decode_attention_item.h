@@ -32,14 +32,6 @@ static void ATT_NAME(const void* q, int64_t qsh, const void* k, int64_t ks, cons
             const int64_t r = KEY(j0 + j);
             ko[j] = r * ks, vo[j] = r * vs;
         }
-        /* while this block's keys score, ask for its values (read by P.V below) and the next block's keys */
-        for (int j = 0; j < nb; j++) {
-            const int64_t jn = j0 + BK + j;
-            for (int b = 0; b < D * (BF ? 2 : 4); b += 64) {
-                __builtin_prefetch((const char*)v + vo[j] * (BF ? 2 : 4) + b, 0, 3);
-                if (jn < len) __builtin_prefetch((const char*)k + KEY(jn) * ks * (BF ? 2 : 4) + b, 0, 3);
-            }
-        }
         for (int jg = 0; jg < nb; jg += 16) { /* scores of 16 keys at a time (keys past the history score 0) */
             const int ng = nb - jg < 16 ? nb - jg : 16;
             if (!dot) {
@@ -107,6 +99,13 @@ static void ATT_NAME(const void* q, int64_t qsh, const void* k, int64_t ks, cons
             for (int c = 0; c < C; c++) acc[i][c] *= corr;
         }
         for (int j = 0; j < nb; j++) { /* P.V */
+            if (j0 + BK + j < len) { /* spread over this loop: ask for the next block's key and value rows */
+                const int64_t r = KEY(j0 + BK + j);
+                for (int b = 0; b < D * (BF ? 2 : 4); b += 64) {
+                    __builtin_prefetch((const char*)k + r * ks * (BF ? 2 : 4) + b, 0, 3);
+                    __builtin_prefetch((const char*)v + r * vs * (BF ? 2 : 4) + b, 0, 3);
+                }
+            }
             v16 vr[CC];
             if (BF) /* 32 bf16 -> even and odd elements as fp32 in two shifts: acc[i][2c] holds even dims, 2c + 1 odd */
                 for (int c = 0; c < C; c += 2) {
