@@ -101,7 +101,8 @@ static inline void store_part(float* part, int i, int rep, int d, const v16* acc
 /* One (row, KV head) work item per the shapes generated from decode_attention_item.h: the shapes of the usual
  * models (head_dim 64 or 128; 1, 2, 3, 4 or 8 query heads per KV head) have their own version, others the general. */
 typedef void (*attend_fn)(const void*, int64_t, const void*, int64_t, const void*, int64_t, const int64_t*, int64_t,
-                          float, void*, int64_t, int, int, int, float*);
+                          float, void*, int64_t, int, int, int, float*, const void*, const void*, const int64_t*,
+                          int64_t);
 #define ATT_NAME attend_64_1_1
 #define ATT_D 64
 #define ATT_REP 1
@@ -297,6 +298,25 @@ static attend_fn pick(int64_t d, int rep, int bf16) {
     return attend_any;
 }
 
+/* Work item it = (chunk c, KV head h): the chunk's row g (start[g] <= c < start[g + 1]), first key j0 and key count;
+ * a row of n keys splits into nc = start[g + 1] - start[g] chunks of equal length */
+typedef struct {
+    int64_t g, h, j0, cnt, nc;
+} span_t;
+static inline span_t span_of(int64_t it, int64_t nkv, const int64_t* start, int64_t G, const int64_t* lens, int64_t L) {
+    const int64_t c = it / nkv;
+    int64_t lo = 0, hi = G;
+    while (hi - lo > 1) {
+        const int64_t mid = (lo + hi) / 2;
+        if (start[mid] <= c)
+            lo = mid;
+        else
+            hi = mid;
+    }
+    const int64_t n = lens ? lens[lo] : L, nc = start[lo + 1] - start[lo], j0 = n * (c - start[lo]) / nc;
+    return (span_t){lo, it % nkv, j0, n * (c - start[lo] + 1) / nc - j0, nc};
+}
+
 /* One call, its arguments as 22 int64 values in a (one ctypes argument: 23 separate ones cost ~5 us per call):
  *   a = {G, nq, nkv, d, L, q, qs0, qs1, k, ks0, ks1, ks2, v, vs0, vs1, vs2, lens, out, os0, os1, bf16, index}
  * q [G][nq][d] (strides qs0, qs1), out [G][nq][d] (strides os0, os1). Without index (0): k and v [G][nkv][L][d]
@@ -344,19 +364,16 @@ int loom_decode_attention(const int64_t* a, float scale) {
 #pragma omp for schedule(static)
 #endif
         for (int64_t it = 0; it < items; it++) {
-            const int64_t c = it / nkv, h = it % nkv;
-            int64_t lo = 0, hi = G; /* the row of chunk c: start[g] <= c < start[g + 1] */
-            while (hi - lo > 1) {
-                const int64_t mid = (lo + hi) / 2;
-                if (start[mid] <= c) lo = mid; else hi = mid;
-            }
-            const int64_t g = lo, n = lens ? lens[g] : L, nc = start[g + 1] - start[g], row = index ? 0 : g;
-            const int64_t j0 = n * (c - start[g]) / nc, cnt = n * (c - start[g] + 1) / nc - j0; /* equal chunks */
-            const int whole = nc == 1;
-            fn(q + (g * qs0 + h * rep * qs1) * esz, qs1, k + (row * ks0 + h * ks1 + (index ? 0 : j0 * ks2)) * esz, ks2,
-               v + (row * vs0 + h * vs1 + (index ? 0 : j0 * vs2)) * esz, vs2, index ? index + g * L + j0 : 0,
-               cnt, scale, out + (g * os0 + h * rep * os1) * esz, os1, (int)d, rep, bf16,
-               whole ? 0 : part + it * psz);
+            const span_t a = span_of(it, nkv, start, G, lens, L), b = span_of(it + 1 < items ? it + 1 : it, nkv, start, G, lens, L);
+            const int next = it + 1 < items;
+            const int64_t ra = index ? 0 : a.g, rb = index ? 0 : b.g;
+            fn(q + (a.g * qs0 + a.h * rep * qs1) * esz, qs1,
+               k + (ra * ks0 + a.h * ks1 + (index ? 0 : a.j0 * ks2)) * esz, ks2,
+               v + (ra * vs0 + a.h * vs1 + (index ? 0 : a.j0 * vs2)) * esz, vs2, index ? index + a.g * L + a.j0 : 0,
+               a.cnt, scale, out + (a.g * os0 + a.h * rep * os1) * esz, os1, (int)d, rep, bf16,
+               a.nc == 1 ? 0 : part + it * psz,
+               next ? k + (rb * ks0 + b.h * ks1 + (index ? 0 : b.j0 * ks2)) * esz : 0,
+               v + (rb * vs0 + b.h * vs1 + (index ? 0 : b.j0 * vs2)) * esz, index ? index + b.g * L + b.j0 : 0, b.cnt);
         }
         if (part) {
 #ifdef _OPENMP

@@ -8,10 +8,12 @@
  * vector registers (a variable-length array would live on the stack).
  * q: REP heads at head stride qsh; k/v: key j at element offset KEY(j) * ks / vs, where KEY(j) is idx[j] (the
  * paged cache's slot of position j) or j when idx is 0; len keys; out: REP heads at stride osh. With part (not 0)
- * the item is one chunk of a longer history: it leaves its unnormalised state there instead (see store_part). */
+ * the item is one chunk of a longer history: it leaves its unnormalised state there instead (see store_part).
+ * next_k, next_v, next_idx, next_len: the next work item's keys, values, slots and length (next_k 0: none), whose
+ * first rows are prefetched during this item's last block. */
 static void ATT_NAME(const void* q, int64_t qsh, const void* k, int64_t ks, const void* v, int64_t vs,
                      const int64_t* idx, int64_t len, float scale, void* out, int64_t osh, int d, int rep, int bf16,
-                     float* part) {
+                     float* part, const void* next_k, const void* next_v, const int64_t* next_idx, int64_t next_len) {
     (void)d, (void)rep, (void)bf16; /* the general version reads them; the constant versions do not */
 #define KEY(j) (idx ? idx[j] : (j))
     enum { CC = ATT_DCAP / VW };
@@ -99,12 +101,18 @@ static void ATT_NAME(const void* q, int64_t qsh, const void* k, int64_t ks, cons
             for (int c = 0; c < C; c++) acc[i][c] *= corr;
         }
         for (int j = 0; j < nb; j++) { /* P.V */
-            if (j0 + BK + j < len) { /* spread over this loop: ask for the next block's key and value rows */
-                const int64_t r = KEY(j0 + BK + j);
-                for (int b = 0; b < D * (BF ? 2 : 4); b += 64) {
-                    __builtin_prefetch((const char*)k + r * ks * (BF ? 2 : 4) + b, 0, 3);
-                    __builtin_prefetch((const char*)v + r * vs * (BF ? 2 : 4) + b, 0, 3);
-                }
+            { /* spread over this loop, ask for the next block's key and value rows (in the last block: the next item's) */
+                const char *pk = 0, *pv = 0;
+                int64_t r = 0;
+                if (j0 + BK + j < len)
+                    pk = k, pv = v, r = KEY(j0 + BK + j);
+                else if (next_k && j < next_len)
+                    pk = next_k, pv = next_v, r = next_idx ? next_idx[j] : j;
+                if (pk)
+                    for (int b = 0; b < D * (BF ? 2 : 4); b += 64) {
+                        __builtin_prefetch(pk + r * ks * (BF ? 2 : 4) + b, 0, 3);
+                        __builtin_prefetch(pv + r * vs * (BF ? 2 : 4) + b, 0, 3);
+                    }
             }
             v16 vr[CC];
             if (BF) /* 32 bf16 -> even and odd elements as fp32 in two shifts: acc[i][2c] holds even dims, 2c + 1 odd */
