@@ -326,9 +326,9 @@ static inline span_t span_of(int64_t it, int64_t nkv, const int64_t* start, int6
  * of int64 [G], row g attending to its first lens[g] positions (1 <= lens[g] <= L), or 0 for all L. bf16: 1 if q,
  * k, v and out are bf16, 0 if fp32. Returns 0, or -1 for a shape it does not take (d not a multiple of 16 or over
  * MAXD (of 32 for bf16), nq not a multiple of nkv, more than MAXREP query heads per KV head, a length out of
- * range), or -2 when out of memory. Histories longer than CH keys are split into chunks of CH, each its own work
- * item, merged afterwards (flash-decoding, Dao et al. 2023): one row's few KV heads then keep every thread busy, and
- * a row's result depends only on its own length, never on the batch around it. */
+ * range), or -2 when out of memory. Histories longer than CH keys are split into equal chunks of at most CH, each
+ * its own work item, merged afterwards (flash-decoding, Dao et al. 2023): one row's few KV heads then keep every
+ * thread busy, and a row's result depends only on its own length, never on the batch around it. */
 int loom_decode_attention(const int64_t* a, float scale) {
     const int64_t G = a[0], nq = a[1], nkv = a[2], d = a[3], L = a[4];
     const char *q = (const char*)a[5], *k = (const char*)a[8], *v = (const char*)a[12];
@@ -344,7 +344,7 @@ int loom_decode_attention(const int64_t* a, float scale) {
     const int rep = (int)(nq / nkv);
     const int64_t esz = bf16 ? 2 : 4;
     const attend_fn fn = pick(d, rep, bf16);
-    /* work items: (chunk of CH keys of a row, KV head); start[g] is row g's first chunk */
+    /* work items: (chunk of a row, KV head), a row of n keys in ceil(n / CH) equal chunks; start[g]: row g's first */
     int64_t start_local[65];
     int64_t* start = G < 65 ? start_local : (int64_t*)malloc(sizeof(int64_t) * (G + 1));
     if (!start) return -2;
@@ -364,8 +364,9 @@ int loom_decode_attention(const int64_t* a, float scale) {
 #pragma omp for schedule(static)
 #endif
         for (int64_t it = 0; it < items; it++) {
-            const span_t a = span_of(it, nkv, start, G, lens, L), b = span_of(it + 1 < items ? it + 1 : it, nkv, start, G, lens, L);
-            const int next = it + 1 < items;
+            const int next = it + 1 < items; /* b: the item this thread most likely takes next (prefetched) */
+            const span_t a = span_of(it, nkv, start, G, lens, L);
+            const span_t b = span_of(next ? it + 1 : it, nkv, start, G, lens, L);
             const int64_t ra = index ? 0 : a.g, rb = index ? 0 : b.g;
             fn(q + (a.g * qs0 + a.h * rep * qs1) * esz, qs1,
                k + (ra * ks0 + a.h * ks1 + (index ? 0 : a.j0 * ks2)) * esz, ks2,

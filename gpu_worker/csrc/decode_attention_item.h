@@ -101,7 +101,7 @@ static void ATT_NAME(const void* q, int64_t qsh, const void* k, int64_t ks, cons
             for (int c = 0; c < C; c++) acc[i][c] *= corr;
         }
         for (int j = 0; j < nb; j++) { /* P.V */
-            { /* spread over this loop, ask for the next block's key and value rows (in the last block: the next item's) */
+            { /* spread over this loop: the next block's key and value rows (in the last block, the next item's) */
                 const char *pk = 0, *pv = 0;
                 int64_t r = 0;
                 if (j0 + BK + j < len)
