@@ -88,6 +88,18 @@ def _generate(llm: Any, ids: Sequence[int], new_tokens: int) -> list[int]:
     return out
 
 
+def _context(prompt_len: int, new_tokens: int) -> int:
+    """Context cells for a prompt and its new tokens, rounded up to llama.cpp's padding of 256."""
+    return -(-(prompt_len + new_tokens + 1) // 256) * 256
+
+
+def _open(llama_cpp: Any, gguf: Path, n_ctx: int, n_threads: int) -> Any:
+    """``gguf`` loaded through the high-level API on ``n_threads`` threads (prefill and decode), quietly."""
+    return llama_cpp.Llama(
+        model_path=str(gguf), n_ctx=n_ctx, n_threads=n_threads, n_threads_batch=n_threads, verbose=False
+    )
+
+
 class BatchOne:
     """llama.cpp loaded once for batch-1 runs taken in turns with Loom's (bench/serving.py pairs them), or None
     from :meth:`load` when llama-cpp-python is not installed."""
@@ -103,10 +115,7 @@ class BatchOne:
         except ImportError:
             return None
         ids = prompt_ids(gguf, [chat])[0]
-        n_ctx = -(-(len(ids) + new_tokens + 1) // 256) * 256
-        llm = llama_cpp.Llama(
-            model_path=str(gguf), n_ctx=n_ctx, n_threads=n_threads, n_threads_batch=n_threads, verbose=False
-        )
+        llm = _open(llama_cpp, gguf, _context(len(ids), new_tokens), n_threads)
         _generate(llm, ids, 4)
         return cls(llm, ids, new_tokens)
 
@@ -197,14 +206,8 @@ def measure(
     gguf = Path(gguf) if gguf else embedded_gguf_path()
     n_threads = n_threads or loom_threads()
     prompts = prompt_ids(gguf, chat_prompts(n))
-    per_seq = -(-(max(map(len, prompts)) + new_tokens + 1) // 256) * 256  # llama.cpp pads contexts to 256
-    llm = llama_cpp.Llama(
-        model_path=str(gguf),
-        n_ctx=per_seq,
-        n_threads=n_threads,
-        n_threads_batch=n_threads,
-        verbose=False,
-    )
+    per_seq = _context(max(map(len, prompts)), new_tokens)
+    llm = _open(llama_cpp, gguf, per_seq, n_threads)
     _generate(llm, prompts[0], 4)  # warm-up, as loom_runs does
 
     def timed(fn: Any) -> tuple[float, Any]:

@@ -286,21 +286,13 @@ class Worker:
             prefill_rows=prefill_rows,
         )
 
-    def _decode_groups(self, fb: ForwardBatch, rows: list[int], tok: list[int]) -> list[DecodeGroup]:
-        """Split decode rows into groups of similar history length (sorted, so every rank groups alike).
-
-        A group grows while its padded size (rows x longest history) stays within 1.25x its real tokens plus
-        64 per row, so a 4,000-token request does not make 63 short ones gather and attend 4,000 positions.
-        The C decode attention over the paged cache reads each row's own length whatever the group's, so there
-        all rows form one group in plan order (one call per layer; a pure decode step binds its kernels once).
-        """
-        dev = self.device
-        order = sorted(range(len(rows)), key=lambda i: fb.reqs[rows[i]].prefix_len)
+    @staticmethod
+    def _length_groups(fb: ForwardBatch, rows: list[int]) -> list[list[int]]:
+        """Indices into ``rows`` in groups of similar history length (sorted, so every rank groups alike); see
+        :meth:`_decode_groups`."""
         groups: list[list[int]] = []
-        if self.model.decode_attn is not None and self.decode_mirror is None and rows:
-            groups, order = [list(range(len(rows)))], []
         real = 0
-        for i in order:
+        for i in sorted(range(len(rows)), key=lambda i: fb.reqs[rows[i]].prefix_len):
             n = fb.reqs[rows[i]].prefix_len + 1
             if groups:
                 g = groups[-1]
@@ -310,6 +302,21 @@ class Worker:
                     continue
             groups.append([i])
             real = n
+        return groups
+
+    def _decode_groups(self, fb: ForwardBatch, rows: list[int], tok: list[int]) -> list[DecodeGroup]:
+        """Split decode rows into groups of similar history length (sorted, so every rank groups alike).
+
+        A group grows while its padded size (rows x longest history) stays within 1.25x its real tokens plus
+        64 per row, so a 4,000-token request does not make 63 short ones gather and attend 4,000 positions.
+        The C decode attention over the paged cache reads each row's own length whatever the group's, so there
+        all rows form one group in plan order (one call per layer; a pure decode step binds its kernels once).
+        """
+        dev = self.device
+        if self.model.decode_attn is not None and self.decode_mirror is None:
+            groups = [list(range(len(rows)))] if rows else []
+        else:
+            groups = self._length_groups(fb, rows)
         out: list[DecodeGroup] = []
         for g in groups:
             mirror = None

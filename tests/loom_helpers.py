@@ -179,6 +179,17 @@ def load_reference(model_path: Path) -> dict:
 # ----------------------------------------------------------------------------- in-process engine (TP=1)
 
 
+def kernel_or_skip(load, notes: dict, folder: Path, what: str):
+    """``load(folder)`` (a C kernel loader of ``gpu_worker``), or skip the tests that need it with the reason the
+    loader left in ``notes[folder]`` (no compiler, no AMX, ...)."""
+    import pytest
+
+    built = load(folder)
+    if built is None:
+        pytest.skip(f"no {what} here: {notes[folder]}")
+    return built
+
+
 def make_args(model_path: Path, **kw):
     """``ServerArgs`` for an in-process Worker/Scheduler (endpoints are never bound)."""
     from ipc.config import Endpoints, ServerArgs

@@ -16,11 +16,9 @@ GREEDY = WorkerSampling(0.0, 1.0, -1, None)
 
 @pytest.fixture(scope="module")
 def fn(tmp_path_factory):
-    d = tmp_path_factory.mktemp("kernels")
-    f = load_decode_attention(d)
-    if f is None:
-        pytest.skip(f"no C decode attention here: {LOAD_NOTES[d]}")
-    return f
+    from loom_helpers import kernel_or_skip
+
+    return kernel_or_skip(load_decode_attention, LOAD_NOTES, tmp_path_factory.mktemp("kernels"), "C decode attention")
 
 
 def _worker(fn, lora: bool = False, **kw):

@@ -23,11 +23,9 @@ from gpu_worker.decode_attention import (
 
 @pytest.fixture(scope="module")
 def fn(tmp_path_factory):
-    d = tmp_path_factory.mktemp("kernels")
-    f = load_decode_attention(d)
-    if f is None:
-        pytest.skip(f"no C decode attention here: {LOAD_NOTES[d]}")
-    return f
+    from loom_helpers import kernel_or_skip
+
+    return kernel_or_skip(load_decode_attention, LOAD_NOTES, tmp_path_factory.mktemp("kernels"), "C decode attention")
 
 
 def reference(q, k, v, lengths, scale) -> torch.Tensor:

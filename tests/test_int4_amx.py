@@ -14,11 +14,9 @@ from gpu_worker.quant import Int4Linear, int4_from_affine, int4_from_q8
 
 @pytest.fixture(scope="module")
 def fn(tmp_path_factory):
-    d = tmp_path_factory.mktemp("kernels")
-    f = load_int4_amx(d)
-    if f is None:
-        pytest.skip(f"no AMX 4-bit kernel here: {LOAD_NOTES[d]}")
-    return f
+    from loom_helpers import kernel_or_skip
+
+    return kernel_or_skip(load_int4_amx, LOAD_NOTES, tmp_path_factory.mktemp("kernels"), "AMX 4-bit kernel")
 
 
 def _weight(n: int, k: int, seed: int) -> tuple[Int4Linear, torch.Tensor]:

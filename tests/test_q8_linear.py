@@ -15,11 +15,9 @@ from gpu_worker.quant import int4_from_q8
 
 @pytest.fixture(scope="module")
 def lib(tmp_path_factory):
-    d = tmp_path_factory.mktemp("kernels")
-    lb = load_q8(d)
-    if lb is None:
-        pytest.skip(f"no 8-bit C kernels here: {LOAD_NOTES[d]}")
-    return lb
+    from loom_helpers import kernel_or_skip
+
+    return kernel_or_skip(load_q8, LOAD_NOTES, tmp_path_factory.mktemp("kernels"), "8-bit C kernels")
 
 
 @pytest.fixture(scope="module")
