@@ -55,8 +55,8 @@ def main() -> None:
     p.add_argument(
         "--int4-ab",
         action="store_true",
-        help="with --quantization gguf: blocks of 5 steps in turns with the batched AMX 4-bit kernel as chosen at "
-        "start-up and with PyTorch's 4-bit kernel only (gpu_worker/int4_amx.py)",
+        help="with --quantization gguf: blocks of 5 steps in turns with the batched C 4-bit kernel as chosen at "
+        "start-up and with PyTorch's 4-bit kernel only (gpu_worker/int4_batch.py)",
     )
     p.add_argument(
         "--attn-ab",
@@ -144,7 +144,7 @@ def main() -> None:
     chosen = quant.BATCH_KERNEL
     if a.int4_ab:
         print(f"batched 4-bit kernel chosen at start-up: {chosen}")
-    by_int4: dict[str, list[float]] = {"amx": [], "torch": []}
+    by_int4: dict[str, list[float]] = {"c": [], "torch": []}
     chosen_attn = w.model.decode_attn
     if a.attn_ab:
         print(f"C decode attention chosen at start-up: {chosen_attn is not None}")
@@ -171,8 +171,8 @@ def main() -> None:
             on = (k - 1) // 5 % 2 == 0
             w.decode_mirror = mirror if on else None
         if a.int4_ab:
-            kern = "amx" if (k - 1) // 5 % 2 == 0 else "torch"
-            quant.BATCH_KERNEL = chosen if kern == "amx" else None
+            kern = "c" if (k - 1) // 5 % 2 == 0 else "torch"
+            quant.BATCH_KERNEL = chosen if kern == "c" else None
         if a.attn_ab:
             attn = "c" if (k - 1) // 5 % 2 == 0 else "sdpa"
             w.model.decode_attn = chosen_attn if attn == "c" else None
@@ -201,9 +201,9 @@ def main() -> None:
             + " ".join(f"{m} {ms['base'] / ms[m]:.2f}" for m in modes[:2] if m in ms and "base" in ms)
         )
     if a.int4_ab:
-        amx_ms, torch_ms = (statistics.median(by_int4[m]) * 1e3 for m in ("amx", "torch"))
+        amx_ms, torch_ms = (statistics.median(by_int4[m]) * 1e3 for m in ("c", "torch"))
         speedup = torch_ms / amx_ms
-        print(f"4-bit batches: AMX kernel {amx_ms:.1f} ms, torch only {torch_ms:.1f} ms per step: {speedup:.2f}x")
+        print(f"4-bit batches: C kernel {amx_ms:.1f} ms, torch only {torch_ms:.1f} ms per step: {speedup:.2f}x")
     if a.ops_ab:
         c_ms, torch_ms = (statistics.median(by_ops[m]) * 1e3 for m in ("c", "torch"))
         print(f"layer ops: C {c_ms:.1f} ms, PyTorch {torch_ms:.1f} ms per step: {torch_ms / c_ms:.2f}x")

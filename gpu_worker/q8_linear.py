@@ -1,13 +1,13 @@
-"""An 8-bit group-quantised linear layer (GGUF ``Q8_0``: ``w = d * q``, q an int8, one scale per 32 inputs) on
-Loom's own C kernels (``csrc/q8_linear.c``).
+"""An 8-bit group-quantised linear layer (GGUF ``Q8_0``: ``w = d * q``, q an int8, one scale per 32 inputs) on Loom's
+own C kernels (``csrc/q8_linear.c``).
 
 PyTorch has no CPU kernel for 8-bit weights with group scales, so ``Q8_0`` otherwise goes through its 4-bit kernel
 as two 4-bit halves with the input fed twice (:func:`gpu_worker.quant.int4_from_q8`): twice the MACs. For SmolLM2's
-tied LM head (49,152 x 576 in ``Q8_0``) that was a third of a token's weight reads at one row. Here a few rows
-take a GEMV that reads each weight once, and batches the AMX GEMM of :mod:`gpu_worker.int4_amx` (from the same
-measured batch size as the 4-bit weights). Scales are held in bf16, as the 4-bit path holds them, so
-``q * d`` is exact in fp32 and both kernels compute with exactly the weights the 4-bit halves represented.
-"""
+tied LM head (49,152 x 576 in ``Q8_0``) that was a third of a token's weight reads at one row. Here a few rows take
+a GEMV that reads each weight once, and batches the batch GEMM of :mod:`gpu_worker.int4_batch` on the same
+instruction set (AMX, else AVX512-BF16 dot products; from the same measured batch size as the 4-bit weights). Scales
+are held in bf16, as the 4-bit path holds them, so ``q * d`` is exact in fp32 and both kernels compute with exactly
+the weights the 4-bit halves represented."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from gpu_worker.int4_batch import Q8_ENTRY
 from gpu_worker.native_build import CSRC, arg_block, load_kernel
 
 SOURCE = CSRC / "q8_linear.c"
@@ -28,9 +29,9 @@ LOAD_NOTES: dict[Path, str] = {}  # why load_q8(cache_dir) has no library, or ru
 
 @cache
 def load_q8(cache_dir: Path) -> ctypes.CDLL | None:
-    """The built library (``loom_q8_gemv``, ``loom_q8_amx``; argtypes set), built into ``cache_dir`` on first use;
-    None (the reason logged and kept in ``LOAD_NOTES[cache_dir]``) where no compiler works."""
-    sig = {"loom_q8_gemv": [ctypes.c_void_p], "loom_q8_amx": [ctypes.c_void_p]}
+    """The built library (``loom_q8_gemv``, ``loom_q8_amx``, ``loom_q8_dot``; argtypes set), built into ``cache_dir``
+    on first use; None (the reason logged and kept in ``LOAD_NOTES[cache_dir]``) where no compiler works."""
+    sig = {name: [ctypes.c_void_p] for name in ("loom_q8_gemv", "loom_q8_amx", "loom_q8_dot")}
     return load_kernel(SOURCE, cache_dir, "8-bit C kernels", LOAD_NOTES, sig)
 
 
@@ -90,11 +91,12 @@ class Q8Linear:
     def mm(self, x: torch.Tensor) -> torch.Tensor:
         """``x [M, K]`` (fp32 or bf16; another float dtype goes through fp32) -> ``[M, N]`` in ``x.dtype``.
 
-        Batches from the 4-bit weights' measured AMX threshold (:data:`gpu_worker.quant.BATCH_KERNEL`) run on AMX,
-        fewer rows (or every batch where there is no AMX) on the GEMV, 8 rows per call.
+        Batches from the 4-bit weights' measured threshold (:data:`gpu_worker.quant.BATCH_KERNEL`) run on the batch
+        kernel of its instruction set (AMX or AVX512-BF16), fewer rows (or every batch where there is none) on the
+        GEMV, 8 rows per call.
 
         Raises:
-            MemoryError: the AMX kernel could not allocate its buffers.
+            MemoryError: the batch kernel could not allocate its buffers.
         """
         from gpu_worker import quant
 
@@ -107,9 +109,10 @@ class Q8Linear:
         o, w = (out.stride(0), bf16), (self.out_features, self.qp.data_ptr(), self.d.data_ptr())
         if bk is not None and m >= bk.min_rows and x.dtype in (torch.float32, torch.bfloat16):
             xs = x if x.stride(1) == 1 else x.contiguous()
-            rc = self.lib.loom_q8_amx(arg_block(m, n_pad, k, xs.data_ptr(), xs.stride(0), bf16, out.data_ptr(), *o, *w))
+            batch = getattr(self.lib, Q8_ENTRY[bk.isa])
+            rc = batch(arg_block(m, n_pad, k, xs.data_ptr(), xs.stride(0), bf16, out.data_ptr(), *o, *w))
             if rc == 2:
-                raise MemoryError("8-bit AMX kernel: out of memory")
+                raise MemoryError(f"8-bit {bk.isa} batch kernel: out of memory")
             if rc == 0:
                 return out if out.dtype == x.dtype else out.to(x.dtype)
         xf = x.float().contiguous()

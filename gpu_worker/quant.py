@@ -16,7 +16,7 @@ Scales and zeros are held in bf16 (the kernels' requirement), so a GGUF weight i
 precision, the same precision as the bf16 path on the dequantised checkpoint. At one row these kernels read
 2-4x fewer bytes than a bf16 GEMM and run 2.5-4.5x faster; from about 16 rows up they are compute-bound and
 slower than AMX bf16 GEMM. So on CPUs with AMX, ``Int4Linear`` multiplies batches on Loom's own kernel
-(:mod:`gpu_worker.int4_amx`, over the same packed weights; ``bench/decode_step.py --int4-ab``).
+(:mod:`gpu_worker.int4_batch`, over the same packed weights; ``bench/decode_step.py --int4-ab``).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from gpu_worker.int4_amx import BatchKernel, amx_mm
+from gpu_worker.int4_batch import BatchKernel, amx_mm
 
 GROUP = 32  # GGUF block size and the int4 kernel's group size
 _KERNEL_DTYPE = torch.bfloat16
@@ -35,8 +35,8 @@ _AMX_X = (torch.float32, torch.bfloat16)
 _INT4_MM = torch.ops.aten._weight_int4pack_mm_for_cpu.default
 _INT8_MM = torch.ops.aten._weight_int8pack_mm.default
 
-# the batched AMX kernel (gpu_worker.int4_amx.BatchKernel) Int4Linear.mm uses from its min_rows up; None = PyTorch's
-# kernel for every batch. Set once per process by the worker (gpu_worker.int4_amx.choose_batch_kernel).
+# the batched AMX kernel (gpu_worker.int4_batch.BatchKernel) Int4Linear.mm uses from its min_rows up; None = PyTorch's
+# kernel for every batch. Set once per process by the worker (gpu_worker.int4_batch.choose_batch_kernel).
 BATCH_KERNEL: BatchKernel | None = None
 
 
@@ -114,7 +114,7 @@ class Int4Linear:
         """``x [M, K]`` (any float dtype) -> ``[M, N]`` in ``x.dtype``.
 
         From :data:`BATCH_KERNEL`'s ``min_rows`` rows up (and a row count the packed layout allows), the AMX
-        kernel of :mod:`gpu_worker.int4_amx` computes it; otherwise PyTorch's 4-bit kernel (:meth:`mm_torch`).
+        kernel of :mod:`gpu_worker.int4_batch` computes it; otherwise PyTorch's 4-bit kernel (:meth:`mm_torch`).
         """
         bk = BATCH_KERNEL
         if bk is not None and x.shape[0] >= bk.min_rows and self.packed.shape[0] % 64 == 0 and x.dtype in _AMX_X:

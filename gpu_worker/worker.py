@@ -178,14 +178,14 @@ class Worker:
 
     def _choose_int4_batch_kernel(self, group: object | None) -> None:
         """With 4-bit weights (``gguf``), set the batch size from which they multiply on the AMX kernel
-        (``gpu_worker.int4_amx``; measured once per machine, the same on every TP rank); logs the choice."""
+        (``gpu_worker.int4_batch``; measured once per machine, the same on every TP rank); logs the choice."""
         if self.quantization != "gguf":
             return
         if self.dtype not in (torch.float32, torch.bfloat16):  # the kernel takes fp32/bf16 activations only
             log.info("rank %d: 4-bit batches on PyTorch's kernel (%s activations)", self.rank, self.dtype)
             return
         from gpu_worker import quant
-        from gpu_worker.int4_amx import choose_batch_kernel
+        from gpu_worker.int4_batch import choose_batch_kernel
 
         quant.BATCH_KERNEL, how = choose_batch_kernel(cache_root(), group)
         log.info("rank %d: %s", self.rank, how)

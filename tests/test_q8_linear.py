@@ -1,6 +1,7 @@
 """8-bit group-quantised linears on Loom's C kernels (gpu_worker/q8_linear.py, csrc/q8_linear.c): the GEMV and the
-AMX batch path against float64 products with the weight they hold, against the two-4-bit-halves form they
-replace, TP row cuts, and the GGUF loader's choice for a Q8_0 LM head. Skipped where no C compiler works."""
+batch paths (AMX, AVX512-BF16 dot products; each where the CPU has it) against float64 products with the weight they
+hold, against the two-4-bit-halves form they replace, TP row cuts, and the GGUF loader's choice for a Q8_0 LM head.
+Skipped where no C compiler works."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import pytest
 import torch
 
 import gpu_worker.quant as quant
-from gpu_worker.int4_amx import choose_batch_kernel
+from gpu_worker.int4_batch import ISAS, BatchKernel, load_int4_kernel
 from gpu_worker.q8_linear import LOAD_NOTES, Q8Linear, load_q8
 from gpu_worker.quant import int4_from_q8
 
@@ -20,11 +21,13 @@ def lib(tmp_path_factory):
     return kernel_or_skip(load_q8, LOAD_NOTES, tmp_path_factory.mktemp("kernels"), "8-bit C kernels")
 
 
-@pytest.fixture(scope="module")
-def amx(tmp_path_factory):
-    """The measured AMX batch kernel (None where the CPU has none: the batch path is then the GEMV too)."""
-    kernel, _ = choose_batch_kernel(tmp_path_factory.mktemp("cache"))
-    return kernel
+@pytest.fixture(scope="module", params=list(ISAS))
+def batch(request, tmp_path_factory):
+    """The batch kernel of one ISA from 8 rows (the tests of an ISA this CPU lacks are skipped)."""
+    fn = load_int4_kernel(tmp_path_factory.mktemp("kernels"), request.param)
+    if fn is None:
+        pytest.skip(f"no {request.param} here")
+    return BatchKernel(fn, 8, request.param)
 
 
 def weight(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -46,7 +49,7 @@ def test_holds_q_times_the_bf16_scale_exactly(lib):
 
 @pytest.mark.parametrize(("n", "k"), [(200, 64), (960, 576), (64, 1536)])
 @pytest.mark.parametrize("rows", [1, 3, 8, 9, 17, 40])
-def test_products_equal_float64_on_both_paths(lib, amx, monkeypatch, n, k, rows):
+def test_products_equal_float64_on_both_paths(lib, batch, monkeypatch, n, k, rows):
     q, d = weight(n, k, n + k)
     lin = Q8Linear(q, d, lib)
     w = lin.dense().double()
@@ -54,11 +57,12 @@ def test_products_equal_float64_on_both_paths(lib, amx, monkeypatch, n, k, rows)
     x = torch.randn(rows, k, generator=g)
     want = x.to(torch.bfloat16).double() @ w.T
     scale = float(want.abs().max())
-    for kernel in (None, amx):  # the GEMV for every row count, then the AMX path from its threshold up
+    for kernel in (None, batch):  # the GEMV for every row count, then the batch path from 8 rows up
         monkeypatch.setattr(quant, "BATCH_KERNEL", kernel)
         got = lin.mm(x.to(torch.bfloat16).float())  # fp32 in and out
         assert got.dtype == torch.float32 and got.shape == (rows, n)
-        # GEMV: exact weights and fp32 sums; AMX: the weight in two bf16 parts is exact too (16 significant bits)
+        # GEMV: exact weights and fp32 sums; AMX: the weight in two bf16 parts is exact too (16 significant bits);
+        # AVX512-BF16: exact codes, scales applied to fp32 group sums
         torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=2e-6 * scale)
         got16 = lin.mm(x.to(torch.bfloat16))  # bf16 out: its rounding only
         assert got16.dtype == torch.bfloat16

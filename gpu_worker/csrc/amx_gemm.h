@@ -1,4 +1,4 @@
-/* The AMX GEMM shared by Loom's quantised-weight kernels (csrc/int4_amx.c, csrc/q8_linear.c): a kernel supplies
+/* The AMX GEMM shared by Loom's quantised-weight kernels (csrc/int4_batch.c, csrc/q8_linear.c): a kernel supplies
  * build(), which dequantises one 64-row block of its weight format into bf16 B tiles, and amx_gemm() multiplies
  * batches of x against them.
  *
@@ -38,16 +38,6 @@ static inline void pack_pairs(__m512 w[2][4], int64_t g, int p, uint16_t* bt) {
     _tile_loadd(5, b + (4 + (s)) * 512, 64); \
     _tile_dpbf16ps(s, 4, 5)
 
-/* A buffer of at least n bytes kept per thread across calls (OpenMP's threads persist): the B tiles of a 64-row
- * block are up to 400 KB, and a fresh malloc that large is an mmap with page faults on every call. */
-static void* thread_buffer(void** buf, size_t* cap, size_t n) {
-    if (*cap < n) {
-        free(*buf);
-        *buf = aligned_alloc(64, (n + 63) / 64 * 64);
-        *cap = *buf ? n : 0;
-    }
-    return *buf;
-}
 static __thread void *bt_buf, *xb_buf;
 static __thread size_t bt_cap, xb_cap;
 

@@ -3,6 +3,7 @@
 #ifndef LOOM_CPU_H
 #define LOOM_CPU_H
 #include <math.h>
+#include <stdlib.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -21,6 +22,16 @@ static inline uint16_t f32_to_bf16(float f) {
     return (uint16_t)(u >> 16);
 }
 
+/* A buffer of at least n bytes kept per thread across calls (OpenMP's threads persist): the B tiles of a 64-row
+ * block are up to 400 KB, and a fresh malloc that large is an mmap with page faults on every call. */
+static inline void* thread_buffer(void** buf, size_t* cap, size_t n) {
+    if (*cap < n) {
+        free(*buf);
+        *buf = aligned_alloc(64, (n + 63) / 64 * 64);
+        *cap = *buf ? n : 0;
+    }
+    return *buf;
+}
 #define VW 16 /* fp32 lanes per vector (GCC/Clang vector extensions: AVX-512 = one register, AVX2 = two) */
 
 typedef float v16 __attribute__((vector_size(64)));

@@ -25,6 +25,12 @@
 #define HAVE_AMX 0
 #endif
 #include "amx_gemm.h"
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define HAVE_DPBF16 1
+#else
+#define HAVE_DPBF16 0
+#endif
+#include "group_dot.h"
 
 #define GEMV_MAX_ROWS 8
 
@@ -137,6 +143,47 @@ int loom_q8_amx(const int64_t* a) {
     if (M == 0 || n_out == 0) return 0;
     return amx_gemm(M, N_pad, K, (const void*)a[3], x_stride, (int)a[5], (void*)a[6], out_stride, (int)a[8], n_out,
                     build_q8, (const void*)a[10], (const void*)a[11]);
+#else
+    (void)a;
+    return 3;
+#endif
+}
+
+#if HAVE_DPBF16
+/* rows [32 h, 32 h + 32) of 64-row block nb of W as group_dot.h's codes (q, exact in bf16: the top half of its
+ * exact fp32) and scales */
+static void build_q8_codes(const void* qp_, const void* d_, int64_t nb, int h, int64_t K, int64_t N_pad, uint32_t* bq,
+                           float* sc, float* zr) {
+    (void)zr;
+    const int8_t* qp = qp_;
+    const uint16_t* d = d_;
+    const __m512i top = _mm512_set1_epi32((int)0xFFFF0000u);
+    for (int64_t p = 0; p < K / 2; p++) {
+        const int8_t* src = qp + (nb * K + 2 * p) * 64 + 32 * h;
+        for (int s = 0; s < 2; s++) { /* pair dword = code(2p + 1) bits & top | code(2p) bits >> 16 */
+            __m512i a = _mm512_castps_si512(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(src + 16 * s)))));
+            __m512i b = _mm512_castps_si512(
+                _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(src + 64 + 16 * s)))));
+            _mm512_storeu_si512(bq + p * 32 + 16 * s, _mm512_ternarylogic_epi32(top, b, _mm512_srli_epi32(a, 16), 0xCA));
+        }
+    }
+    for (int64_t g = 0; g < K / 32; g++)
+        for (int s = 0; s < 2; s++)
+            _mm512_storeu_ps(sc + g * 32 + 16 * s,
+                             _mm512_castsi512_ps(_mm512_slli_epi32(
+                                 _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(d + g * N_pad + nb * 64 + 32 * h + 16 * s))), 16)));
+}
+#endif
+
+/* loom_q8_amx's contract on AVX512-BF16 dot products instead of AMX (group_dot.h): for CPUs without AMX.
+ * Returns 0 = done, 1 = bad arguments, 2 = out of memory, 3 = not built in (no AVX512-BF16). */
+int loom_q8_dot(const int64_t* a) {
+#if HAVE_DPBF16
+    const int64_t M = a[0], N_pad = a[1], K = a[2], x_stride = a[4], out_stride = a[7], n_out = a[9];
+    if (N_pad % 64 || K % 32 || K <= 0 || M < 0 || n_out > N_pad) return 1;
+    if (M == 0 || n_out == 0) return 0;
+    return dot_gemm(M, N_pad, K, (const void*)a[3], x_stride, (int)a[5], (void*)a[6], out_stride, (int)a[8], n_out,
+                    build_q8_codes, (const void*)a[10], (const void*)a[11], 0);
 #else
     (void)a;
     return 3;

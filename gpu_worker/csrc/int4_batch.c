@@ -22,6 +22,12 @@
 #define HAVE_AMX 0
 #endif
 #include "amx_gemm.h"
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define HAVE_DPBF16 1
+#else
+#define HAVE_DPBF16 0
+#endif
+#include "group_dot.h"
 
 #if HAVE_AMX
 /* Dequantise the 64-row block nb of W over all K into the hi/lo B tiles bt of amx_gemm.h */
@@ -63,6 +69,58 @@ int loom_int4_amx(int64_t M, int64_t N_pad, int64_t K, const void* x, int64_t x_
     if (N_pad % 64 || K % 32 || K <= 0 || M < 0 || n_out > N_pad) return 1;
     if (M == 0 || n_out == 0) return 0;
     return amx_gemm(M, N_pad, K, x, x_stride, x_bf16, out, out_stride, out_bf16, n_out, build_b, packed, sz);
+#else
+    (void)M, (void)N_pad, (void)K, (void)x, (void)x_stride, (void)x_bf16, (void)out, (void)out_stride, (void)out_bf16;
+    (void)n_out, (void)packed, (void)sz;
+    return 3;
+#endif
+}
+
+#if HAVE_DPBF16
+/* Rows [32 h, 32 h + 32) of the 64-row block nb of W as group_dot.h's codes (q - 8, exact in bf16), scales and
+ * zeros. Each input's 32 bytes hold rows j (low nibbles) and 32 + j (high nibbles): half h takes one nibble of
+ * every byte. The two inputs of a pair are widened to 16-bit words, interleaved word by word (vpermt2w), and each
+ * nibble becomes its bf16 code by a table lookup (vpermw). */
+static void build_codes(const void* packed_, const void* sz_, int64_t nb, int h, int64_t K, int64_t N_pad,
+                        uint32_t* bq, float* sc, float* zr) {
+    const uint8_t* packed = packed_;
+    const uint16_t* sz = sz_;
+    static const uint16_t bf16_code[32] = {0xc100, 0xc0e0, 0xc0c0, 0xc0a0, 0xc080, 0xc040, 0xc000, 0xbf80,
+                                           0x0000, 0x3f80, 0x4000, 0x4040, 0x4080, 0x40a0, 0x40c0, 0x40e0}; /* q-8 */
+    const __m512i lut = _mm512_loadu_si512(bf16_code), nib = _mm512_set1_epi16(15);
+    __m512i lo_idx, hi_idx; /* word i of a pair vector: byte i / 2 (+ 16 for hi) of input i % 2 (B = second input) */
+    {
+        uint16_t a[32], b[32];
+        for (int i = 0; i < 32; i++) a[i] = (uint16_t)(i / 2 + (i % 2) * 32), b[i] = (uint16_t)(a[i] + 16);
+        lo_idx = _mm512_loadu_si512(a), hi_idx = _mm512_loadu_si512(b);
+    }
+    const __m128i shift = _mm_cvtsi32_si128(4 * h);
+    for (int64_t p = 0; p < K / 2; p++) {
+        const uint8_t* src = packed + (nb * K + 2 * p) * 32;
+        const __m512i a = _mm512_srl_epi16(_mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)src)), shift);
+        const __m512i b = _mm512_srl_epi16(_mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(src + 32))), shift);
+        const __m512i v0 = _mm512_permutex2var_epi16(a, lo_idx, b), v1 = _mm512_permutex2var_epi16(a, hi_idx, b);
+        _mm512_storeu_si512(bq + p * 32, _mm512_permutexvar_epi16(_mm512_and_si512(v0, nib), lut));      /* 0..15 */
+        _mm512_storeu_si512(bq + p * 32 + 16, _mm512_permutexvar_epi16(_mm512_and_si512(v1, nib), lut)); /* ..31 */
+    }
+    for (int64_t g = 0; g < K / 32; g++)
+        for (int s = 0; s < 2; s++) { /* (scale, zero) bf16 pairs of 16 rows -> two fp32 vectors */
+            __m512i v = _mm512_loadu_si512(sz + ((g * N_pad) + nb * 64 + 32 * h + 16 * s) * 2);
+            _mm512_storeu_ps(sc + g * 32 + 16 * s, _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)));
+            _mm512_storeu_ps(zr + g * 32 + 16 * s,
+                             _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32((int)0xFFFF0000u))));
+        }
+}
+#endif
+
+/* loom_int4_amx's contract on AVX512-BF16 dot products instead of AMX (group_dot.h): for CPUs without AMX.
+ * Returns 0 = done, 1 = bad arguments, 2 = out of memory, 3 = not built in (no AVX512-BF16). */
+int loom_int4_dot(int64_t M, int64_t N_pad, int64_t K, const void* x, int64_t x_stride, int x_bf16, void* out,
+                  int64_t out_stride, int out_bf16, int64_t n_out, const uint8_t* packed, const uint16_t* sz) {
+#if HAVE_DPBF16
+    if (N_pad % 64 || K % 32 || K <= 0 || M < 0 || n_out > N_pad) return 1;
+    if (M == 0 || n_out == 0) return 0;
+    return dot_gemm(M, N_pad, K, x, x_stride, x_bf16, out, out_stride, out_bf16, n_out, build_codes, packed, sz, 1);
 #else
     (void)M, (void)N_pad, (void)K, (void)x, (void)x_stride, (void)x_bf16, (void)out, (void)out_stride, (void)out_bf16;
     (void)n_out, (void)packed, (void)sz;

@@ -1,6 +1,7 @@
-"""The batched AMX 4-bit kernel (gpu_worker/int4_amx.py, csrc/int4_amx.c) against float64 products with the weight
-dequantised in fp32 (as PyTorch's 4-bit kernel means it), its dispatch inside Int4Linear, and its start-up choice.
-Skipped where the CPU has no AMX (the reason is printed); Int4Linear then keeps PyTorch's kernel."""
+"""The batched 4-bit C kernels (gpu_worker/int4_batch.py, csrc/int4_batch.c: AMX, and AVX512-BF16 dot products)
+against float64 products with the weight dequantised in fp32 (as PyTorch's 4-bit kernel means it), their dispatch
+inside Int4Linear, and the start-up choice. Each ISA's tests are skipped where the CPU lacks it (the reason is
+printed); Int4Linear then keeps PyTorch's kernel."""
 
 from __future__ import annotations
 
@@ -8,15 +9,33 @@ import pytest
 import torch
 
 import gpu_worker.quant as quant
-from gpu_worker.int4_amx import LOAD_NOTES, BatchKernel, amx_mm, choose_batch_kernel, load_int4_amx
+from gpu_worker.int4_batch import (
+    ISAS,
+    LOAD_NOTES,
+    BatchKernel,
+    amx_mm,
+    choose_batch_kernel,
+    load_int4_batch,
+    load_int4_kernel,
+)
 from gpu_worker.quant import Int4Linear, int4_from_affine, int4_from_q8
 
 
 @pytest.fixture(scope="module")
-def fn(tmp_path_factory):
+def folder(tmp_path_factory):
+    return tmp_path_factory.mktemp("kernels")
+
+
+@pytest.fixture(scope="module", params=list(ISAS))
+def isa(request):
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def fn(folder, isa):
     from loom_helpers import kernel_or_skip
 
-    return kernel_or_skip(load_int4_amx, LOAD_NOTES, tmp_path_factory.mktemp("kernels"), "AMX 4-bit kernel")
+    return kernel_or_skip(lambda f: load_int4_kernel(f, isa), LOAD_NOTES, folder, f"{isa} 4-bit kernel")
 
 
 def _weight(n: int, k: int, seed: int) -> tuple[Int4Linear, torch.Tensor]:
@@ -35,7 +54,7 @@ def _weight(n: int, k: int, seed: int) -> tuple[Int4Linear, torch.Tensor]:
 def test_products_equal_the_fp32_dequantised_weight(fn, n, k, rows):
     lin, w = _weight(n, k, seed=n + k + rows)
     if lin.packed.shape[0] % 64:
-        with pytest.raises(ValueError, match="int4 AMX kernel"):
+        with pytest.raises(ValueError, match="int4 batch kernel"):
             amx_mm(fn, torch.zeros(rows, k), lin.packed, lin.scales_zeros, n)
         return
     g = torch.Generator().manual_seed(rows)
@@ -43,8 +62,9 @@ def test_products_equal_the_fp32_dequantised_weight(fn, n, k, rows):
     want = x.to(torch.bfloat16).double() @ w.T
     got = amx_mm(fn, x, lin.packed, lin.scales_zeros, n)  # fp32 in and out
     assert got.dtype == torch.float32 and got.shape == (rows, n)
-    # the weight enters as two bf16 parts (16 bits of it) and sums in fp32: a weight rounded to bf16 once would be
-    # off by ~2e-3 of the largest output, so this bound also shows the low part is there
+    # AMX: the weight enters as two bf16 parts (16 bits of it); AVX512-BF16: the codes are exact and the scales
+    # apply to group sums; both sum in fp32. A weight rounded to bf16 once would be off by ~2e-3 of the largest
+    # output, so this bound also shows neither rounds the weight
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=2e-5 * float(want.abs().max()))
     got16 = amx_mm(fn, x.to(torch.bfloat16), lin.packed, lin.scales_zeros, n)  # bf16 out: its rounding only
     assert got16.dtype == torch.bfloat16
@@ -54,7 +74,7 @@ def test_products_equal_the_fp32_dequantised_weight(fn, n, k, rows):
     assert torch.equal(amx_mm(fn, wide, lin.packed, lin.scales_zeros, n), got)
 
 
-def test_int4linear_takes_the_kernel_from_min_rows(fn, monkeypatch):
+def test_int4linear_takes_the_kernel_from_min_rows(fn, isa, monkeypatch):
     lin, w = _weight(192, 128, seed=3)
     calls = []
 
@@ -62,7 +82,7 @@ def test_int4linear_takes_the_kernel_from_min_rows(fn, monkeypatch):
         calls.append(args[0])  # the row count
         return fn(*args)
 
-    monkeypatch.setattr(quant, "BATCH_KERNEL", BatchKernel(counted, 4))
+    monkeypatch.setattr(quant, "BATCH_KERNEL", BatchKernel(counted, 4, isa))
     g = torch.Generator().manual_seed(0)
     for rows in (1, 3):
         x = torch.randn(rows, 128, generator=g).to(torch.bfloat16)
@@ -84,17 +104,17 @@ def test_int4linear_takes_the_kernel_from_min_rows(fn, monkeypatch):
     exact = xh.to(torch.bfloat16).double() @ dense.double().T
     got = head.mm(xh).double()
     assert (got - exact).abs().max() <= 1e-5 * (xh.abs().double() @ dense.abs().double().T).max()
-    assert calls[-1] == 8  # it did go through the AMX kernel
+    assert calls[-1] == 8  # it did go through the C kernel
 
 
-def test_rows_off_the_64_grid_keep_pytorchs_kernel(fn, monkeypatch):
-    lin, _ = _weight(80, 64, seed=4)  # packed to 80 rows: the AMX kernel needs whole 64-row blocks
-    monkeypatch.setattr(quant, "BATCH_KERNEL", BatchKernel(fn, 1))
+def test_rows_off_the_64_grid_keep_pytorchs_kernel(fn, isa, monkeypatch):
+    lin, _ = _weight(80, 64, seed=4)  # packed to 80 rows: the C kernels need whole 64-row blocks
+    monkeypatch.setattr(quant, "BATCH_KERNEL", BatchKernel(fn, 1, isa))
     x = torch.randn(20, 64).to(torch.bfloat16)
     assert torch.equal(lin.mm(x), lin.mm_torch(x))
 
 
-def test_the_threshold_is_measured_once_then_kept(fn, tmp_path):
+def test_the_threshold_is_measured_once_then_kept(tmp_path):
     first, how = choose_batch_kernel(tmp_path)
     again, how2 = choose_batch_kernel(tmp_path)
     assert "measured earlier" in how2 and "measured earlier" not in how
@@ -102,3 +122,5 @@ def test_the_threshold_is_measured_once_then_kept(fn, tmp_path):
     if first is not None:
         assert again is not None and first.min_rows == again.min_rows and first.min_rows in (2, 4, 8, 16, 32)
         assert f"batches of {first.min_rows}+ rows" in how2
+        best = load_int4_batch(tmp_path / "kernels")  # the first ISA of ISAS this CPU runs
+        assert best is not None and first.isa == best[1] and f"on the {first.isa} kernel" in how2

@@ -1,0 +1,190 @@
+"""Batched 4-bit GEMM in C (``csrc/int4_batch.c``), over the same packed weights as PyTorch's 4-bit kernel, on AMX
+or, on CPUs without AMX, on AVX512-BF16 dot products.
+
+PyTorch's ``_weight_int4pack_mm_for_cpu`` dequantises every weight again for every few rows of input, so a decode
+batch of 32 costs it ~30x one row, and the 4-bit model was half as fast as bf16 at 32 concurrent requests. The C
+kernels read PyTorch's packed layout in place (no second copy of the weights), so each call can take either kernel:
+the C one from ``min_rows`` rows up, where a start-up timing (cached per machine, TP ranks agreeing) finds it faster.
+
+- ``loom_int4_amx`` (Intel Sapphire Rapids and later) dequantises each 64-row block of the weight once per call into
+  bf16 tiles and multiplies on AMX. It feeds AMX the fp32 weight ``(q - 8) * scale + zero`` as two bf16 parts (the
+  weight rounded to bf16, then the remainder), so it keeps 16 bits of each weight: rounding the weight to bf16 once
+  would make the 4-bit model's logits as far from the fp32 ones as the bf16 model's are (measured: max logit error
+  1.00 against PyTorch's kernel's 0.85; the two parts give back 0.85).
+- ``loom_int4_dot`` (AVX512-BF16 without AMX: AMD Zen 4 and later, Intel Cooper Lake) multiplies the integer codes
+  ``q - 8`` (exact in bf16) with ``vdpbf16ps`` and applies each group's scale and zero to the group's sums
+  (``csrc/group_dot.h``): the weights the blocks encode, at 1.1x a bf16 GEMM's instructions instead of the 2x two
+  parts would cost on vector units.
+
+Both accumulate in fp32; their products are within fp32 rounding of the fp32-dequantised weight's.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+
+import torch
+
+from gpu_worker.native_build import CSRC, load_library
+
+log = logging.getLogger(__name__)
+
+SOURCE = CSRC / "int4_batch.c"
+ROW_BLOCK = 64  # the packed layout's row block; the C kernel needs N_pad to be a whole number of them
+_I64, _I32, _P = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
+_ARGTYPES = [_I64, _I64, _I64, _P, _I64, _I32, _P, _I64, _I32, _I64, _P, _P]
+# the C entry points by instruction set, best first; a kernel not built in (or refused by the OS) returns rc 3
+ISAS = {"AMX": "loom_int4_amx", "AVX512-BF16": "loom_int4_dot"}
+Q8_ENTRY = {"AMX": "loom_q8_amx", "AVX512-BF16": "loom_q8_dot"}  # csrc/q8_linear.c's batch kernel on the same ISA
+
+# why the last load_int4_batch(cache_dir) has no kernel, or runs it single-threaded ("" = built with OpenMP)
+LOAD_NOTES: dict[Path, str] = {}
+
+
+@dataclass(frozen=True)
+class BatchKernel:
+    """A C batch kernel and the batch size from which :class:`gpu_worker.quant.Int4Linear` uses it.
+
+    Attributes:
+        fn: the C function (``amx_mm``'s ``fn``). min_rows: the smallest batch it takes.
+        isa: its instruction set, a key of :data:`ISAS` (the 8-bit head's batch kernel takes the same one).
+    """
+
+    fn: ctypes._CFuncPtr  # type: ignore[name-defined]
+    min_rows: int
+    isa: str = "AMX"
+
+
+@cache
+def load_int4_kernel(cache_dir: Path, isa: str) -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+    """The C batch kernel for ``isa`` (a key of :data:`ISAS`; argtypes set), built into ``cache_dir`` on first use;
+    None (the reason logged and kept in ``LOAD_NOTES[cache_dir]``) without a compiler, or where the CPU (or, for
+    AMX, the OS) does not have that ISA."""
+    lib, note = load_library(SOURCE, cache_dir)
+    if lib is None:
+        LOAD_NOTES[cache_dir] = note
+        log.info("4-bit batch kernel unavailable: %s", note)
+        return None
+    fn = getattr(lib, ISAS[isa])
+    fn.argtypes, fn.restype = _ARGTYPES, ctypes.c_int
+    # one tiny call asks whether the ISA is built in (and, for AMX, asks the OS for the tiles); the tensors are
+    # named: a temporary's memory would be freed before the call
+    x, w, sz = torch.zeros(1, 32, dtype=torch.bfloat16), torch.zeros(64, 16, dtype=torch.uint8), torch.zeros(1, 64, 2)
+    try:
+        amx_mm(fn, x, w, sz.to(torch.bfloat16), 64)
+    except ValueError:
+        LOAD_NOTES[cache_dir] = f"this CPU (or its OS) has no {isa}"
+        log.info("4-bit %s batch kernel unavailable: %s", isa, LOAD_NOTES[cache_dir])
+        return None
+    LOAD_NOTES[cache_dir] = note
+    if note:
+        log.warning("4-bit %s batch kernel runs %s", isa, note)
+    return fn
+
+
+def load_int4_batch(cache_dir: Path) -> tuple[ctypes._CFuncPtr, str] | None:  # type: ignore[name-defined]
+    """The best C batch kernel this CPU runs (:func:`load_int4_kernel` over :data:`ISAS` in order) and its ISA;
+    None where there is none (the reason kept in ``LOAD_NOTES[cache_dir]``)."""
+    for isa in ISAS:
+        fn = load_int4_kernel(cache_dir, isa)
+        if fn is not None:
+            return fn, isa
+    if LOAD_NOTES.get(cache_dir, "").startswith("this CPU"):
+        LOAD_NOTES[cache_dir] = "this CPU (or its OS) has neither AMX bf16 tiles nor AVX512-BF16"
+    return None
+
+
+def amx_mm(
+    fn: ctypes._CFuncPtr,  # type: ignore[name-defined]
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    scales_zeros: torch.Tensor,
+    n_out: int,
+) -> torch.Tensor:
+    """``x [M, K]`` (fp32/bf16, CPU) times the packed 4-bit weight -> ``[M, n_out]`` in ``x.dtype``, on the C batch
+    kernel ``fn`` (``loom_int4_amx`` or ``loom_int4_dot``).
+
+    ``packed`` ``[N_pad, K/2]`` uint8 and ``scales_zeros`` ``[K/32, N_pad, 2]`` bf16 are PyTorch's 4-bit CPU layout
+    (``gpu_worker.quant.Int4Linear``); ``N_pad`` must be a multiple of :data:`ROW_BLOCK`.
+
+    Raises:
+        ValueError: a shape, layout or dtype the kernel does not take.
+        MemoryError: the kernel's buffers could not be allocated.
+    """
+    n_pad, k = packed.shape[0], packed.shape[1] * 2
+    if x.dtype not in (torch.float32, torch.bfloat16) or x.shape[1] != k or n_pad % ROW_BLOCK:
+        raise ValueError(f"int4 batch kernel: x {x.dtype} {tuple(x.shape)} for a [{n_pad}, {k}] weight")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    out = torch.empty(x.shape[0], n_out, dtype=x.dtype)
+    bf16 = int(x.dtype == torch.bfloat16)
+    rc = fn(x.shape[0], n_pad, k, x.data_ptr(), x.stride(0), bf16, out.data_ptr(), n_out, bf16, n_out,
+            packed.data_ptr(), scales_zeros.data_ptr())  # fmt: skip
+    if rc == 2:
+        raise MemoryError("int4 batch kernel: out of memory")
+    if rc:
+        raise ValueError(f"int4 batch kernel refused the call (rc {rc})")
+    return out
+
+
+MARGIN = 1.2  # the C kernel must be this much faster in the start-up timing: near the crossover, the rest of a
+# step (and the other rank's threads) tips it either way, and a call measured alone flatters the C kernel
+
+
+def _crossover(fn: ctypes._CFuncPtr, isa: str) -> tuple[int, str]:  # type: ignore[name-defined]
+    """The smallest batch in 2, 4, 8, 16, 32 at which the C kernel beats PyTorch's by :data:`MARGIN` through 8
+    distinct ``[1536, 576]`` weights (fastest of 5 passes each), 0 if none; and a line with the timings."""
+    from gpu_worker.quant import GROUP, Int4Linear
+    from gpu_worker.timing import best_time
+
+    g = torch.Generator().manual_seed(0)
+    n, k = 1536, 576
+    mats = [
+        Int4Linear(torch.randint(0, 16, (n, k), generator=g), torch.rand(n, k // GROUP, generator=g) * 0.01,
+                   torch.zeros(n, k // GROUP))
+        for _ in range(8)
+    ]  # fmt: skip
+    parts = []
+    for rows in (2, 4, 8, 16, 32):
+        x = torch.randn(rows, k, generator=g).to(torch.bfloat16)
+        t_c = best_time(lambda: [amx_mm(fn, x, w.packed, w.scales_zeros, n) for w in mats], 5)  # noqa: B023
+        t_torch = best_time(lambda: [w.mm_torch(x) for w in mats], 5)  # noqa: B023
+        parts.append(f"{rows} rows: {isa} {t_c * 1e6:.0f} us, torch {t_torch * 1e6:.0f} us")
+        if t_c * MARGIN < t_torch:
+            return rows, f"from {rows} rows ({'; '.join(parts)})"
+    return 0, f"never faster ({'; '.join(parts)})"
+
+
+def choose_batch_kernel(cache_dir: Path, group: object | None = None) -> tuple[BatchKernel | None, str]:
+    """The C batch kernel and its batch threshold for this machine, or None (PyTorch's kernel for every batch),
+    with a line saying why. The threshold is measured once per machine and cached; TP ranks take the largest
+    threshold among them (none if any rank lacks a kernel), so every rank switches kernels at the same batch
+    size. (Ranks on CPUs of different ISAs would multiply the same weights on different kernels, equal to within
+    fp32 rounding.)"""
+    loaded = load_int4_batch(cache_dir / "kernels")
+    rows, how, isa = 0, f"unavailable: {LOAD_NOTES.get(cache_dir / 'kernels', '')}", ""
+    if loaded is not None:
+        from gpu_worker.timing import cached_choice
+
+        kernel, isa = loaded
+        key = f"{torch.__version__}|{isa}|{hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:16]}"
+        rows, how = cached_choice(
+            cache_dir / "kernel-choice", "int4-batch-min-rows", key, lambda: _crossover(kernel, isa)
+        )
+    if group is not None:
+        import torch.distributed as dist
+
+        vote = torch.tensor([rows if rows else 1 << 30])
+        dist.all_reduce(vote, op=dist.ReduceOp.MAX, group=group)
+        agreed = int(vote.item())
+        if agreed != (rows or 1 << 30):
+            how += f"; another TP rank {'lacks the kernel' if agreed == 1 << 30 else f'needs {agreed} rows'}"
+        rows = 0 if agreed == 1 << 30 else agreed
+    if not rows or loaded is None:
+        return None, f"4-bit batches on PyTorch's kernel ({isa or 'C'} batch kernel {how})"
+    return BatchKernel(loaded[0], rows, isa), f"4-bit batches of {rows}+ rows on the {isa} kernel ({how})"
