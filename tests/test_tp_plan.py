@@ -67,21 +67,8 @@ def test_bad_rank_or_size_is_refused(tp, rank):
         make_shard_plan(9, 3, 1536, tp, rank)
 
 
-def test_ffn_split_evens_out_uneven_attention():
-    """SmolLM2 at TP=2: rank 0 holds 6+2 heads, rank 1 3+1, so rank 0 gets fewer FFN columns (block-aligned)."""
-    from gpu_worker.tp_plan import FFN_ALIGN
-
-    plans = [make_shard_plan(9, 3, 1536, 2, r, head_dim=64) for r in range(2)]
-    assert plans[0].ffn == (0, 672) and plans[1].ffn == (672, 1536)
-    assert all(p.ffn[0] % FFN_ALIGN == 0 for p in plans)
-    work = [64 * 2 * (p.num_q_heads + p.num_kv_heads) + 3 * (p.ffn[1] - p.ffn[0]) for p in plans]
-    assert max(work) / min(work) < 1.05  # was 3328 / 2816 = 1.18 with an even split
-    # balanced already (one KV group each at TP=3), or no head_dim: the even split
-    assert [make_shard_plan(9, 3, 1536, 3, r, head_dim=64).ffn for r in range(3)] == [
-        (0, 512),
-        (512, 1024),
-        (1024, 1536),
-    ]
-    assert make_shard_plan(9, 3, 1536, 2, 0).ffn == (0, 768)
-    # a tiny MLP keeps the even split rather than starving a rank
-    assert [make_shard_plan(9, 3, 64, 2, r, head_dim=64).ffn for r in range(2)] == [(0, 32), (32, 64)]
+def test_the_ffn_splits_evenly_when_kv_heads_do_not():
+    """SmolLM2 at TP=2: rank 0 holds 6+2 heads, rank 1 3+1; the MLP still halves (the all-reduce between attention
+    and MLP is a barrier, so extra FFN columns on rank 1 could not offset its shorter attention)."""
+    plans = [make_shard_plan(9, 3, 1536, 2, r) for r in range(2)]
+    assert [p.ffn for p in plans] == [(0, 768), (768, 1536)] and all(p.ffn[0] % 64 == 0 for p in plans)
