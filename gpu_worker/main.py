@@ -64,6 +64,7 @@ def setup_cpu_all_reduce(worker: Worker, group: object | None, epoch: int) -> Sh
     shm, why = select_all_reduce(group, epoch=epoch)
     if shm is not None:
         worker.model.all_reduce_fn = shm.all_reduce
+        worker.model.gather_logits_fn = shm.gather_columns
     log.info("TP all-reduce: %s", why)
     return shm
 

@@ -165,6 +165,11 @@ class LlamaShard:
             weights["lm_head"] = head_rows(weights["lm_head"], self.vocab_lo, self.vocab_hi)
         # the TP all-reduce (in place, sum over ranks); a same-host shared-memory reducer may replace it
         self.all_reduce_fn: Callable[[torch.Tensor], None] | None = None
+        # (part [B, my vocab rows], every rank's vocab span) -> rank 0: logits [B, vocab]; others: their part.
+        # Set where the ranks can gather (the same-host shared-memory reducer); else the head's columns are
+        # joined by an all-reduce of a zero-filled [B, vocab] tensor.
+        self.gather_logits_fn: Callable[[torch.Tensor, list[tuple[int, int]]], torch.Tensor] | None = None
+        self.vocab_spans = [vocab_range(cfg.vocab_size, self.tp, r) for r in range(self.tp)]
         if self.tp > 1:
             self.all_reduce_fn = lambda t: dist.all_reduce(t, group=group)
 
@@ -374,7 +379,9 @@ class LlamaShard:
 
     @torch.inference_mode()
     def forward(self, s: StepInputs, kv: KVCache, lora: LoraApplier | None = None) -> torch.Tensor:
-        """Run one step; write new K/V to ``s.out_slots``; return last-token logits ``[B, vocab]`` fp32."""
+        """Run one step; write new K/V to ``s.out_slots``; return last-token logits ``[B, vocab]`` fp32 (where the
+        TP ranks gather the vocab-parallel head's columns, ``gather_logits_fn``, only rank 0 gets them all: the
+        others get their own columns)."""
         cfg, w, d = self.cfg, self.w, self.d
         emb = w["embed"]
         x = F.embedding(s.input_ids, emb) if isinstance(emb, torch.Tensor) else emb.rows(s.input_ids, self.dtype)
@@ -393,6 +400,9 @@ class LlamaShard:
         last = rms_norm(last, w["norm"], cfg.rms_norm_eps)
         if self.tp == 1:
             return self._mm(last, w["lm_head"]).float()
+        if self.gather_logits_fn is not None:  # only rank 0 samples: it gathers the other ranks' vocab columns
+            part = self._mm(last, w["lm_head"]) if self.vocab_hi > self.vocab_lo else last.new_zeros(len(last), 0)
+            return self.gather_logits_fn(part.contiguous(), self.vocab_spans).float()
         logits = last.new_zeros(last.shape[0], self.vocab)
         if self.vocab_hi > self.vocab_lo:
             logits[:, self.vocab_lo : self.vocab_hi] = self._mm(last, w["lm_head"])

@@ -375,6 +375,79 @@ class ShmAllReduce:
         for start in range(0, n, per):
             self._op(flat[start : start + per])
 
+    def gather_columns(self, part: torch.Tensor, spans: list[tuple[int, int]]) -> torch.Tensor:
+        """Rank 0 receives every rank's columns: rank r holds ``part`` ``[B, hi_r - lo_r]`` of a ``[B, width]``
+        matrix (``spans[r] = (lo_r, hi_r)``, the same list on every rank, tiling ``[0, width)``); rank 0 returns
+        the whole ``[B, width]``, the other ranks their own ``part``.
+
+        Half the memory traffic of zero-filling the whole matrix on every rank and summing it (the vocab-parallel
+        LM head's logits: only rank 0 samples). Same barrier protocol as :meth:`all_reduce` (every rank publishes
+        and waits for every peer, one op per chunk of rows), so the two kinds of op can follow each other freely;
+        a peer that does the other kind of op at the same step is reported as out of step.
+
+        Raises:
+            ShmAllReduceError: as :meth:`all_reduce`.
+            TypeError, ValueError: an unsupported dtype, a part whose width is not its span, or a non-contiguous
+                or non-CPU tensor.
+        """
+        if self._broken:
+            raise ShmAllReduceError(self._broken)
+        lo, hi = spans[self.rank]
+        if part.dim() != 2 or part.shape[1] != hi - lo:
+            raise ValueError(f"shm gather: part {tuple(part.shape)} for columns [{lo}, {hi})")
+        if part.dtype not in _SUMMABLE:
+            raise TypeError(f"shm gather: unsupported dtype {part.dtype}")
+        if part.device.type != "cpu" or not part.is_contiguous():
+            raise ValueError("shm gather needs a contiguous CPU tensor")
+        if self.world == 1:
+            return part
+        rows, width = part.shape[0], spans[-1][1]
+        size = part.element_size()
+        widest = max(b - a for a, b in spans)
+        # ops of rows [r0, r1) x span columns [c0, c0 + cols): alike on every rank (the spans are), each rank's
+        # piece at most slot_bytes (a narrower span's piece may be empty)
+        cols = max(1, min(widest, self.slot_bytes // size))
+        per = max(1, self.slot_bytes // (cols * size))
+        out = torch.empty(rows, width, dtype=part.dtype) if self.rank == 0 else part
+        if self.rank == 0:
+            out[:, lo:hi] = part
+        for r0 in range(0, rows, per):
+            r1 = min(rows, r0 + per)
+            for c0 in range(0, widest, cols):
+                piece = part[r0:r1, c0 : c0 + cols]
+                self._gather_op(piece, out[r0:r1] if self.rank == 0 else None, spans, c0, cols, r1 * width + c0)
+        return out
+
+    def _gather_op(
+        self, x: torch.Tensor, out: torch.Tensor | None, spans: list[tuple[int, int]], c0: int, cols: int, n: int
+    ) -> None:
+        """One barrier-synchronised op of :meth:`gather_columns`: ``x`` is this rank's piece (rows of its span's
+        columns ``[c0, c0 + cols)``, at most ``slot_bytes``), ``out`` rank 0's rows of the whole matrix (else None),
+        ``n`` a number every rank computes alike for the op's tag."""
+        s = self._seq + 1
+        b = s & 1
+        size = x.element_size()
+        if out is None and x.numel():
+            self._slots[b][self.rank][: x.numel() * size].view(x.dtype).view(x.shape).copy_(x)
+        counters = self._counters
+        tag = -(n * 16 + _DTYPE_CODE[x.dtype])  # negative: a gather, never equal to an all-reduce's tag
+        counters[self.rank * _Q + 1 + b] = tag
+        counters[self.rank * _Q] = s  # publish after the data and tag (x86 TSO: see the module doc)
+        for r in self._peers:
+            if counters[r * _Q] < s:
+                self._wait(r, s)
+            if counters[r * _Q + 1 + b] != tag:
+                self._out_of_step(r, s, n, x.dtype, counters[r * _Q + 1 + b])
+        self._seq = s
+        if out is None:
+            return
+        for r in self._peers:
+            lo, hi = spans[r]
+            w = min(hi - lo - c0, cols)
+            if w > 0:
+                rows = x.shape[0]
+                out[:, lo + c0 : lo + c0 + w] = self._slots[b][r][: rows * w * size].view(x.dtype).view(rows, w)
+
     def _views_for(self, dtype: torch.dtype, n: int) -> tuple:
         """Views for an op of ``n`` elements of ``dtype``, cached per (dtype, n).
 
@@ -483,9 +556,10 @@ class ShmAllReduce:
 
     def _out_of_step(self, r: int, s: int, n: int, dtype: torch.dtype, their: int) -> None:
         names = {code: dt for dt, code in _DTYPE_CODE.items()}
+        theirs = f"{'gathers' if their < 0 else 'reduces'} {abs(their) // 16} elements of {names.get(abs(their) % 16)}"
         self._broken = (
-            f"shm all-reduce: rank {r} is out of step with rank {self.rank} at op {s}: it reduces {their // 16} "
-            f"elements of {names.get(their % 16)}, this rank {n} of {dtype}"
+            f"shm all-reduce: rank {r} is out of step with rank {self.rank} at op {s}: it {theirs}, this rank "
+            f"{n} of {dtype}"
         )
         raise ShmAllReduceError(self._broken)
 

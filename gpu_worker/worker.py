@@ -349,7 +349,8 @@ class Worker:
         return out
 
     def forward_logits(self, fb: ForwardBatch) -> torch.Tensor:
-        """Run the plan and return last-token logits ``[B, vocab]`` fp32 in plan order (also used by tests).
+        """Run the plan and return last-token logits ``[B, vocab]`` fp32 in plan order (also used by tests; at TP > 1
+        on the shared-memory reducer only rank 0's are whole, see ``LlamaShard.forward``).
 
         The scheduler orders each plan by adapter, so each adapter's tokens form one segment; a plan that is
         not ordered is still exact (:class:`~gpu_worker.lora_pool.LoraBatch` gathers a slot's tokens).

@@ -104,6 +104,18 @@ def _check_sums(rank: int, world: int) -> None:
             ref = xs[rank].clone()
             dist.all_reduce(ref)
             assert torch.allclose(want, ref, rtol=1e-6, atol=1e-6)
+    # the vocab-parallel head's gather: rank 0 gets every rank's columns, the others keep their own
+    for rows, width, dtype in ((1, 49152, torch.bfloat16), (32, 49152, torch.float32), (5, 7, torch.float32)):
+        spans = [(min(width, r * -(-width // world)), min(width, (r + 1) * -(-width // world))) for r in range(world)]
+        whole = torch.randn(rows, width, generator=torch.Generator().manual_seed(rows)).to(dtype)
+        for red, name in ((shm, "memfd"), (tiny, "named/4 KiB slots")):
+            part = whole[:, spans[rank][0] : spans[rank][1]].contiguous()
+            got = red.gather_columns(part, spans)
+            want = whole if rank == 0 else part
+            assert torch.equal(got, want), f"gather {name} {rows}x{width} {dtype}"
+    t = torch.ones(3)
+    shm.all_reduce(t)  # all-reduces and gathers interleave
+    assert t.tolist() == [float(world)] * 3
     with torch.inference_mode():  # the model calls it under inference mode
         t = torch.ones(4, 576)
         shm.all_reduce(t)
@@ -122,6 +134,13 @@ def _check_sums(rank: int, world: int) -> None:
     skew = ShmAllReduce(timeout_s=10.0)
     with pytest.raises(ShmAllReduceError, match="out of step"):
         skew.all_reduce(torch.ones(4 if rank == 1 else 3))
+    skew.close()
+    skew = ShmAllReduce(timeout_s=10.0)  # one rank gathers while the others all-reduce
+    with pytest.raises(ShmAllReduceError, match="out of step"):
+        if rank == 0:
+            skew.gather_columns(torch.ones(2, 1), [(r, r + 1) for r in range(world)])
+        else:
+            skew.all_reduce(torch.ones(2 * world))
     skew.close()
     # a rank refused /proc/PID/fd (a hardened container): every rank falls back to the named segment
     real_open = os.open
