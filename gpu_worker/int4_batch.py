@@ -13,8 +13,8 @@ the C one from ``min_rows`` rows up, where a start-up timing (cached per machine
   1.00 against PyTorch's kernel's 0.85; the two parts give back 0.85).
 - ``loom_int4_dot`` (AVX512-BF16 without AMX: AMD Zen 4 and later, Intel Cooper Lake) multiplies the integer codes
   ``q - 8`` (exact in bf16) with ``vdpbf16ps`` and applies each group's scale and zero to the group's sums
-  (``csrc/group_dot.h``): the weights the blocks encode, at 1.1x a bf16 GEMM's instructions instead of the 2x two
-  parts would cost on vector units.
+  (``csrc/group_dot.h``): the weights the blocks encode, at 1.125x a bf16 GEMM's vector instructions instead of
+  the 2x two parts would cost on vector units.
 
 Both accumulate in fp32; their products are within fp32 rounding of the fp32-dequantised weight's.
 """
@@ -51,13 +51,13 @@ class BatchKernel:
     """A C batch kernel and the batch size from which :class:`gpu_worker.quant.Int4Linear` uses it.
 
     Attributes:
-        fn: the C function (``amx_mm``'s ``fn``). min_rows: the smallest batch it takes.
+        fn: the C function (``batch_mm``'s ``fn``). min_rows: the smallest batch it takes.
         isa: its instruction set, a key of :data:`ISAS` (the 8-bit head's batch kernel takes the same one).
     """
 
     fn: ctypes._CFuncPtr  # type: ignore[name-defined]
     min_rows: int
-    isa: str = "AMX"
+    isa: str
 
 
 @cache
@@ -76,7 +76,7 @@ def load_int4_kernel(cache_dir: Path, isa: str) -> ctypes._CFuncPtr | None:  # t
     # named: a temporary's memory would be freed before the call
     x, w, sz = torch.zeros(1, 32, dtype=torch.bfloat16), torch.zeros(64, 16, dtype=torch.uint8), torch.zeros(1, 64, 2)
     try:
-        amx_mm(fn, x, w, sz.to(torch.bfloat16), 64)
+        batch_mm(fn, x, w, sz.to(torch.bfloat16), 64)
     except ValueError:
         LOAD_NOTES[cache_dir] = f"this CPU (or its OS) has no {isa}"
         log.info("4-bit %s batch kernel unavailable: %s", isa, LOAD_NOTES[cache_dir])
@@ -99,7 +99,7 @@ def load_int4_batch(cache_dir: Path) -> tuple[ctypes._CFuncPtr, str] | None:  # 
     return None
 
 
-def amx_mm(
+def batch_mm(
     fn: ctypes._CFuncPtr,  # type: ignore[name-defined]
     x: torch.Tensor,
     packed: torch.Tensor,
@@ -152,7 +152,7 @@ def _crossover(fn: ctypes._CFuncPtr, isa: str) -> tuple[int, str]:  # type: igno
     parts = []
     for rows in (2, 4, 8, 16, 32):
         x = torch.randn(rows, k, generator=g).to(torch.bfloat16)
-        t_c = best_time(lambda: [amx_mm(fn, x, w.packed, w.scales_zeros, n) for w in mats], 5)  # noqa: B023
+        t_c = best_time(lambda: [batch_mm(fn, x, w.packed, w.scales_zeros, n) for w in mats], 5)  # noqa: B023
         t_torch = best_time(lambda: [w.mm_torch(x) for w in mats], 5)  # noqa: B023
         parts.append(f"{rows} rows: {isa} {t_c * 1e6:.0f} us, torch {t_torch * 1e6:.0f} us")
         if t_c * MARGIN < t_torch:

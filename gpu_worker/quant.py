@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from gpu_worker.int4_batch import BatchKernel, amx_mm
+from gpu_worker.int4_batch import BatchKernel, batch_mm
 
 GROUP = 32  # GGUF block size and the int4 kernel's group size
 _KERNEL_DTYPE = torch.bfloat16
@@ -119,7 +119,7 @@ class Int4Linear:
         bk = BATCH_KERNEL
         if bk is not None and x.shape[0] >= bk.min_rows and self.packed.shape[0] % 64 == 0 and x.dtype in _AMX_X:
             xk = torch.cat([x, x], dim=-1) if self.dup_input else x
-            return amx_mm(bk.fn, xk, self.packed, self.scales_zeros, self.out_features)
+            return batch_mm(bk.fn, xk, self.packed, self.scales_zeros, self.out_features)
         return self.mm_torch(x)
 
     def mm_torch(self, x: torch.Tensor) -> torch.Tensor:

@@ -13,7 +13,7 @@ from gpu_worker.int4_batch import (
     ISAS,
     LOAD_NOTES,
     BatchKernel,
-    amx_mm,
+    batch_mm,
     choose_batch_kernel,
     load_int4_batch,
     load_int4_kernel,
@@ -55,23 +55,23 @@ def test_products_equal_the_fp32_dequantised_weight(fn, n, k, rows):
     lin, w = _weight(n, k, seed=n + k + rows)
     if lin.packed.shape[0] % 64:
         with pytest.raises(ValueError, match="int4 batch kernel"):
-            amx_mm(fn, torch.zeros(rows, k), lin.packed, lin.scales_zeros, n)
+            batch_mm(fn, torch.zeros(rows, k), lin.packed, lin.scales_zeros, n)
         return
     g = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, k, generator=g)
     want = x.to(torch.bfloat16).double() @ w.T
-    got = amx_mm(fn, x, lin.packed, lin.scales_zeros, n)  # fp32 in and out
+    got = batch_mm(fn, x, lin.packed, lin.scales_zeros, n)  # fp32 in and out
     assert got.dtype == torch.float32 and got.shape == (rows, n)
     # AMX: the weight enters as two bf16 parts (16 bits of it); AVX512-BF16: the codes are exact and the scales
     # apply to group sums; both sum in fp32. A weight rounded to bf16 once would be off by ~2e-3 of the largest
     # output, so this bound also shows neither rounds the weight
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=2e-5 * float(want.abs().max()))
-    got16 = amx_mm(fn, x.to(torch.bfloat16), lin.packed, lin.scales_zeros, n)  # bf16 out: its rounding only
+    got16 = batch_mm(fn, x.to(torch.bfloat16), lin.packed, lin.scales_zeros, n)  # bf16 out: its rounding only
     assert got16.dtype == torch.bfloat16
     torch.testing.assert_close(got16.double(), want, rtol=8e-3, atol=1e-3 * float(want.abs().max()))
     # a strided x (a column slice of a wider tensor) reads the same values
     wide = torch.cat([x, torch.randn(rows, 7, generator=g)], dim=1)[:, :k]
-    assert torch.equal(amx_mm(fn, wide, lin.packed, lin.scales_zeros, n), got)
+    assert torch.equal(batch_mm(fn, wide, lin.packed, lin.scales_zeros, n), got)
 
 
 def test_int4linear_takes_the_kernel_from_min_rows(fn, isa, monkeypatch):
@@ -89,7 +89,7 @@ def test_int4linear_takes_the_kernel_from_min_rows(fn, isa, monkeypatch):
         assert torch.equal(lin.mm(x), lin.mm_torch(x))  # below the threshold: PyTorch's kernel, bit for bit
     assert calls == []
     x = torch.randn(6, 128, generator=g).to(torch.bfloat16)
-    assert torch.equal(lin.mm(x), amx_mm(fn, x, lin.packed, lin.scales_zeros, 192)) and calls == [6]
+    assert torch.equal(lin.mm(x), batch_mm(fn, x, lin.packed, lin.scales_zeros, 192)) and calls == [6]
     torch.testing.assert_close(lin.mm(x), lin.mm_torch(x), rtol=8e-3, atol=1e-2)  # both mean the same weight
     # a row share cut at a multiple of 64 (the vocab-parallel head) equals those rows of the whole product
     part = lin.out_rows(64, 192)
