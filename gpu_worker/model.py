@@ -21,6 +21,7 @@ from gpu_worker.decode_mirror import MirrorUse, mirrored_kv
 from gpu_worker.kv_cache import KVCache
 from gpu_worker.layer_ops import LayerOps
 from gpu_worker.packed_linear import PackedLinear
+from gpu_worker.q8_linear import Q8Linear
 from gpu_worker.quant import QuantLinear
 from gpu_worker.timing import best_time
 from gpu_worker.tp_plan import ShardPlan
@@ -184,6 +185,14 @@ class LlamaShard:
         if x.shape[0] >= self.upcast_min_rows:
             return (x.float() @ w.float().T).to(x.dtype)
         return x @ w.T
+
+    def _head(self, last: torch.Tensor) -> torch.Tensor:
+        """This rank's vocabulary columns of the logits, ``[B, rows of its head]`` fp32. An 8-bit head
+        (``Q8Linear``) writes its fp32 sums as they are; other heads' outputs (in ``last.dtype``) are cast."""
+        head = self.w["lm_head"]
+        if isinstance(head, Q8Linear):
+            return head.mm(last, out_dtype=torch.float32)
+        return self._mm(last, head).float()
 
     def _all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         if self.all_reduce_fn is not None:
@@ -399,11 +408,11 @@ class LlamaShard:
         last = x if s.every_token_last else x[s.last_token_index]
         last = rms_norm(last, w["norm"], cfg.rms_norm_eps)
         if self.tp == 1:
-            return self._mm(last, w["lm_head"]).float()
+            return self._head(last)
         if self.gather_logits_fn is not None:  # only rank 0 samples: it gathers the other ranks' vocab columns
-            part = self._mm(last, w["lm_head"]) if self.vocab_hi > self.vocab_lo else last.new_zeros(len(last), 0)
-            return self.gather_logits_fn(part.contiguous(), self.vocab_spans).float()
-        logits = last.new_zeros(last.shape[0], self.vocab)
+            part = self._head(last) if self.vocab_hi > self.vocab_lo else last.new_zeros(len(last), 0).float()
+            return self.gather_logits_fn(part.contiguous(), self.vocab_spans)
+        logits = last.new_zeros(last.shape[0], self.vocab, dtype=torch.float32)
         if self.vocab_hi > self.vocab_lo:
-            logits[:, self.vocab_lo : self.vocab_hi] = self._mm(last, w["lm_head"])
-        return self._all_reduce(logits).float()
+            logits[:, self.vocab_lo : self.vocab_hi] = self._head(last)
+        return self._all_reduce(logits)

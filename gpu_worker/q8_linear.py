@@ -88,8 +88,10 @@ class Q8Linear:
         q = self.qp.transpose(1, 2).reshape(n_pad, self.in_features).float()
         return (q * self.d.float().T.repeat_interleave(GROUP, dim=1))[: self.out_features]
 
-    def mm(self, x: torch.Tensor) -> torch.Tensor:
-        """``x [M, K]`` (fp32 or bf16; another float dtype goes through fp32) -> ``[M, N]`` in ``x.dtype``.
+    def mm(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """``x [M, K]`` (fp32 or bf16; another float dtype goes through fp32) -> ``[M, N]`` in ``x.dtype``, or in
+        ``out_dtype`` (fp32 or bf16) where given: the kernels sum in fp32, so an fp32 output of a bf16 input is
+        not rounded to bf16 (the LM head's logits, whose bf16 steps of 0.125 at |logit| >= 16 made exact ties).
 
         Batches from the 4-bit weights' measured threshold (:data:`gpu_worker.quant.BATCH_KERNEL`) run on the batch
         kernel of its instruction set (AMX or AVX512-BF16), fewer rows (or every batch where there is none) on the
@@ -101,24 +103,26 @@ class Q8Linear:
         from gpu_worker import quant
 
         m = x.shape[0]
-        out_dtype = x.dtype if x.dtype in (torch.float32, torch.bfloat16) else torch.float32
+        want = out_dtype or x.dtype
+        out_dtype = want if want in (torch.float32, torch.bfloat16) else torch.float32
         out = torch.empty(m, self.out_features, dtype=out_dtype)
         n_pad, k = self.qp.shape[0] * ROW_BLOCK, self.in_features
-        bf16 = int(out_dtype == torch.bfloat16)
+        ob = int(out_dtype == torch.bfloat16)
         bk = quant.BATCH_KERNEL
-        o, w = (out.stride(0), bf16), (self.out_features, self.qp.data_ptr(), self.d.data_ptr())
+        o, w = (out.stride(0), ob), (self.out_features, self.qp.data_ptr(), self.d.data_ptr())
         if bk is not None and m >= bk.min_rows and x.dtype in (torch.float32, torch.bfloat16):
             xs = x if x.stride(1) == 1 else x.contiguous()
+            xb = int(x.dtype == torch.bfloat16)
             batch = getattr(self.lib, Q8_ENTRY[bk.isa])
-            rc = batch(arg_block(m, n_pad, k, xs.data_ptr(), xs.stride(0), bf16, out.data_ptr(), *o, *w))
+            rc = batch(arg_block(m, n_pad, k, xs.data_ptr(), xs.stride(0), xb, out.data_ptr(), *o, *w))
             if rc == 2:
                 raise MemoryError(f"8-bit {bk.isa} batch kernel: out of memory")
             if rc == 0:
-                return out if out.dtype == x.dtype else out.to(x.dtype)
+                return out if out.dtype == want else out.to(want)
         xf = x.float().contiguous()
         for r0 in range(0, m, GEMV_MAX_ROWS):
             rows = min(GEMV_MAX_ROWS, m - r0)
             rc = self.lib.loom_q8_gemv(arg_block(rows, n_pad, k, xf[r0].data_ptr(), out[r0].data_ptr(), *o, *w))
             if rc:
                 raise ValueError(f"8-bit GEMV refused x {tuple(x.shape)} for a [{self.out_features}, {k}] weight")
-        return out if out.dtype == x.dtype else out.to(x.dtype)
+        return out if out.dtype == want else out.to(want)

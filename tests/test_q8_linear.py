@@ -69,6 +69,10 @@ def test_products_equal_float64_on_both_paths(lib, batch, monkeypatch, n, k, row
         torch.testing.assert_close(got16.double(), want, rtol=8e-3, atol=1e-3 * scale)
         wide = torch.cat([x, torch.randn(rows, 5, generator=g)], dim=1)[:, :k].to(torch.bfloat16)  # strided x
         assert torch.equal(lin.mm(wide), got16)
+        # bf16 in, fp32 out (the LM head's logits): the fp32 sums, not rounded to bf16
+        got32 = lin.mm(x.to(torch.bfloat16), out_dtype=torch.float32)
+        assert got32.dtype == torch.float32
+        torch.testing.assert_close(got32.double(), want, rtol=1e-5, atol=2e-6 * scale)
 
 
 def test_agrees_with_the_two_4bit_halves_it_replaces(lib, monkeypatch):

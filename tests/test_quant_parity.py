@@ -96,7 +96,11 @@ def test_quantized_logits_and_greedy_tokens(model_path, ref, forced, fp32_steps,
 
     w = Worker(make_args(model_path, quantization=mode, dtype="auto"))
     assert w.dtype == torch.bfloat16
-    err = _max_diff(teacher_forced_logits(w, *forced, STEPS), fp32_steps)
+    got = teacher_forced_logits(w, *forced, STEPS)
+    err = _max_diff(got, fp32_steps)
+    if mode == "gguf":  # the 8-bit head hands over its fp32 sums: logits are not on bf16's grid (steps of 0.125)
+        row = got[1][0]
+        assert float((row != row.bfloat16().float()).float().mean()) > 0.9
     reqs = [TokenizedReq(n, ref[n]["input_ids"], SamplingParams(max_new_tokens=24, temperature=0.0)) for n in NAMES]
     outs = run_engine(w, Scheduler(max_running=16, kv_capacity=2048, context_len=2048, eos_ids=[2]), {0: reqs})
     matched, total, report = 0, 0, []
