@@ -22,6 +22,7 @@
 #define TB 8   /* most tokens per block: their accumulators stay in vector registers */
 #define JB 16  /* shrink rows per work item */
 #define MAXIN 4096
+#define MAXRANK 256 /* the vdpbf16ps expand's largest rank (larger ranks take the fp32 expand) */
 #define SPF 2304 /* bytes of A prefetched ahead (across rows: the hardware prefetcher stops at 4 KiB pages) */
 
 /* x rows tok[0..nt) as fp32 into xf [TB][in_dim], rows nt.. zero */
@@ -294,6 +295,49 @@ DEFINE_AXPY(2)
 DEFINE_AXPY(4)
 DEFINE_AXPY(8)
 
+#if HAVE_BF16_DOT
+/* axpy##NT for bf16 B on vdpbf16ps (CPUs with AVX512-BF16 but no AMX): B's rank pairs are already the pair layout
+ * the instruction reads, and each token's u[:r] is rounded to bf16 pairs once per call (as the AMX expand rounds
+ * its u tiles), so one instruction does a rank pair for 16 columns: half the instructions of fp32 FMAs on
+ * converted B, and no conversion of B. */
+#define DEFINE_AXPYBF(NT)                                                                                         \
+    static inline void axpybf##NT(const float* uk, int64_t u_stride, int64_t r, const uint32_t* blk, void* out,    \
+                                  const int64_t* offs, int out_bf16, int nt, int64_t ow) {                         \
+        uint16_t ub[NT][MAXRANK + 32] __attribute__((aligned(64)));                                              \
+        for (int t = 0; t < NT; t++)                                                                              \
+            for (int64_t j0 = 0; j0 < r; j0 += 32) {                                                              \
+                __mmask16 m0 = (__mmask16)(r - j0 >= 16 ? 0xffff : (1u << (r - j0)) - 1);                          \
+                __mmask16 m1 = (__mmask16)(r - j0 >= 32 ? 0xffff : r - j0 <= 16 ? 0 : (1u << (r - j0 - 16)) - 1);  \
+                __m512bh h = _mm512_cvtne2ps_pbh(_mm512_maskz_loadu_ps(m1, uk + t * u_stride + j0 + 16),           \
+                                                 _mm512_maskz_loadu_ps(m0, uk + t * u_stride + j0));               \
+                memcpy(ub[t] + j0, &h, 64);                                                                       \
+            }                                                                                                     \
+        __m512 lo[NT], hi[NT];                                                                                    \
+        for (int t = 0; t < NT; t++) lo[t] = hi[t] = _mm512_setzero_ps();                                          \
+        for (int64_t j = 0; j < r; j += 2) {                                                                      \
+            const uint32_t* br = blk + (j / 2) * BC;                                                              \
+            __builtin_prefetch(br + PF * BC);                                                                     \
+            const __m512i b0 = _mm512_loadu_si512(br), b1 = _mm512_loadu_si512(br + VW);                          \
+            for (int t = 0; t < NT; t++) {                                                                        \
+                int32_t pair;                                                                                     \
+                memcpy(&pair, ub[t] + j, 4);                                                                      \
+                const __m512i uv = _mm512_set1_epi32(pair);                                                       \
+                lo[t] = _mm512_dpbf16_ps(lo[t], (__m512bh)uv, (__m512bh)b0);                                      \
+                hi[t] = _mm512_dpbf16_ps(hi[t], (__m512bh)uv, (__m512bh)b1);                                      \
+            }                                                                                                     \
+        }                                                                                                         \
+        for (int t = 0; t < nt; t++) {                                                                            \
+            v16 l, h;                                                                                             \
+            memcpy(&l, &lo[t], 64), memcpy(&h, &hi[t], 64);                                                       \
+            store_add(out, offs[t], out_bf16, l, h, ow);                                                          \
+        }                                                                                                         \
+    }
+DEFINE_AXPYBF(1)
+DEFINE_AXPYBF(2)
+DEFINE_AXPYBF(4)
+DEFINE_AXPYBF(8)
+#endif
+
 /* elements of one column block of B at rank r (bf16: whole rank pairs) */
 static inline int64_t blk_elems(int64_t r, int w_bf16) { return (w_bf16 ? (r + 1) / 2 * 2 : r) * BC; }
 
@@ -307,6 +351,16 @@ static void expand_block(const float* u, int64_t u_stride, int64_t nmod, int64_t
     int64_t ow = out_k - o0 < BC ? out_k - o0 : BC;
     /* nt <= TB tokens run the next power-of-two kernel: rows past the block read other positions' u (or the
      * zeroed padding rows after the last one) and are never stored */
+#if HAVE_BF16_DOT
+    if (w_bf16 && out_bf16 && r <= MAXRANK) { /* a bf16 model: u in bf16 loses nothing the model keeps */
+        const uint32_t* b = (const uint32_t*)blk;
+        if (nt > 4) axpybf8(uk, u_stride, r, b, out, offs, out_bf16, nt, ow);
+        else if (nt > 2) axpybf4(uk, u_stride, r, b, out, offs, out_bf16, nt, ow);
+        else if (nt > 1) axpybf2(uk, u_stride, r, b, out, offs, out_bf16, nt, ow);
+        else axpybf1(uk, u_stride, r, b, out, offs, out_bf16, nt, ow);
+        return;
+    }
+#endif
     if (nt > 4) axpy8(uk, u_stride, r, blk, w_bf16, out, offs, out_bf16, nt, ow);
     else if (nt > 2) axpy4(uk, u_stride, r, blk, w_bf16, out, offs, out_bf16, nt, ow);
     else if (nt > 1) axpy2(uk, u_stride, r, blk, w_bf16, out, offs, out_bf16, nt, ow);
