@@ -429,16 +429,7 @@ class ShmAllReduce:
         size = x.element_size()
         if out is None and x.numel():
             self._slots[b][self.rank][: x.numel() * size].view(x.dtype).view(x.shape).copy_(x)
-        counters = self._counters
-        tag = -(n * 16 + _DTYPE_CODE[x.dtype])  # negative: a gather, never equal to an all-reduce's tag
-        counters[self.rank * _Q + 1 + b] = tag
-        counters[self.rank * _Q] = s  # publish after the data and tag (x86 TSO: see the module doc)
-        for r in self._peers:
-            if counters[r * _Q] < s:
-                self._wait(r, s)
-            if counters[r * _Q + 1 + b] != tag:
-                self._out_of_step(r, s, n, x.dtype, counters[r * _Q + 1 + b])
-        self._seq = s
+        self._publish_and_wait(s, -(n * 16 + _DTYPE_CODE[x.dtype]), n, x.dtype)  # negative tag: a gather
         if out is None:
             return
         for r in self._peers:
@@ -496,16 +487,8 @@ class ShmAllReduce:
         slots, acc, rs = self._views_for(x.dtype, n)
         mine = slots[b]
         mine[self.rank].copy_(x)
+        self._publish_and_wait(s, n * 16 + _DTYPE_CODE[x.dtype], n, x.dtype)
         counters = self._counters
-        tag = n * 16 + _DTYPE_CODE[x.dtype]
-        counters[self.rank * _Q + 1 + b] = tag
-        counters[self.rank * _Q] = s  # publish after the data and tag (x86 TSO: see the module doc)
-        for r in self._peers:
-            if counters[r * _Q] < s:
-                self._wait(r, s)
-            if counters[r * _Q + 1 + b] != tag:
-                self._out_of_step(r, s, n, x.dtype, counters[r * _Q + 1 + b])
-        self._seq = s
         if rs is None:
             self._sum(mine, x, acc)
             return
@@ -517,6 +500,19 @@ class ShmAllReduce:
             if counters[r * _Q + 3] < s:
                 self._wait(r, s, word=3)
         x.copy_(results[b])
+
+    def _publish_and_wait(self, s: int, tag: int, n: int, dtype: torch.dtype) -> None:
+        """Op ``s``'s barrier (after this rank's data is in its slot): publish the tag, then the counter, and wait
+        until every peer has published op ``s`` with the same tag (else :meth:`_out_of_step`)."""
+        counters, b = self._counters, s & 1
+        counters[self.rank * _Q + 1 + b] = tag
+        counters[self.rank * _Q] = s  # publish after the data and tag (x86 TSO: see the module doc)
+        for r in self._peers:
+            if counters[r * _Q] < s:
+                self._wait(r, s)
+            if counters[r * _Q + 1 + b] != tag:
+                self._out_of_step(r, s, n, dtype, counters[r * _Q + 1 + b])
+        self._seq = s
 
     def _wait(self, r: int, s: int, word: int = 0) -> None:
         """Wait until rank ``r``'s header ``word`` (0: op counter, 3: reduce-scatter done) reaches ``s``.

@@ -7,10 +7,15 @@
  * w - hi, exact in fp32); hi + lo holds w to 16 bits, so the products are within 2^-16 of the fp32 weight's.
  * tiles (amx_config(6)): 0-3: C, 16 rows of x by 16 outputs (fp32); 4: 16 rows of x by 32 inputs (bf16);
  * 5: 16 input pairs by 16 outputs (bf16 pairs). Threads: OpenMP over the 64-row blocks of W.
- * Include after loom_cpu.h, with HAVE_AMX defined (1 where AMX bf16, AVX512-BF16 and AVX512BW are compiled in).
+ * Include after loom_cpu.h; it defines HAVE_AMX (1 where AMX bf16, AVX512-BF16 and AVX512BW are compiled in).
  */
 #ifndef LOOM_AMX_GEMM_H
 #define LOOM_AMX_GEMM_H
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define HAVE_AMX 1
+#else
+#define HAVE_AMX 0
+#endif
 #include <stdlib.h>
 #if HAVE_AMX
 

@@ -14,10 +14,15 @@
  *   sc, zr [K / 32][32] fp32: the groups' scales and zeros (zr unused where the format has no zero);
  * then rows of x are multiplied eight at a time against it while it sits in L2. Work is shared among threads by
  * halves, not blocks, so the model's 576-row matrices (9 blocks) split evenly over two cores. Threads: OpenMP.
- * Include after loom_cpu.h, with HAVE_DPBF16 defined (1 where AVX512-BF16 and AVX512BW are compiled in).
+ * Include after loom_cpu.h; it defines HAVE_DPBF16 (1 where AVX512-BF16 and AVX512BW are compiled in).
  */
 #ifndef LOOM_GROUP_DOT_H
 #define LOOM_GROUP_DOT_H
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define HAVE_DPBF16 1
+#else
+#define HAVE_DPBF16 0
+#endif
 #if HAVE_DPBF16
 #include <immintrin.h>
 

@@ -19,17 +19,7 @@
 #include <omp.h>
 #endif
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
-#define HAVE_AMX 1
-#else
-#define HAVE_AMX 0
-#endif
 #include "amx_gemm.h"
-#if defined(__AVX512BF16__) && defined(__AVX512BW__)
-#define HAVE_DPBF16 1
-#else
-#define HAVE_DPBF16 0
-#endif
 #include "group_dot.h"
 
 #define GEMV_MAX_ROWS 8
