@@ -5,6 +5,7 @@
                                   [--new-tokens 32] [--prompt-tokens 64] [--zipf-alpha 1.0]
                                   [--max-loras-per-batch 8] [--max-loaded-loras 64] [--ranks 8,12,16]
                                   [--targets q_proj,v_proj] [--load-samples 8] [--dtype bfloat16] [--tp-size 1]
+                                  [--max-lora-rank R]
 
 Adapters: ``--adapters`` random PEFT adapters (ranks cycled over ``--ranks``, ``--targets`` in every layer, bf16
 safetensors) made once by ``scripts/make_adapters.py`` under ``$LOOM_CACHE_DIR/bench-many-adapters/``; their
@@ -28,6 +29,10 @@ it from disk (on Linux, usually from the page cache: the files were just written
    the cluster log shows during each run. ``in flight`` is the mean number of distinct adapters among the
    requests in flight: above ``--max-loras-per-batch``, some requests must wait for a slot whatever the speed
    of loading.
+
+The pools hold ``--max-loras-per-batch`` x ``--max-lora-rank`` rank rows, which adapters share at their own
+rank (``--max-lora-rank`` defaults to the largest of ``--ranks``: 8 slots then hold about 10 adapters of ranks
+8-16; a server sized for rank 64 holds about 40 of them in the same 8 slots).
 """
 
 from __future__ import annotations
@@ -208,7 +213,7 @@ def report(a: argparse.Namespace, reg: list[float], probes: dict[str, list[float
     print(
         f"\ntraffic: {a.requests} requests, {a.prompt_tokens}-token prompts, {a.new_tokens} new tokens, "
         f"{a.concurrency} in flight, Zipf alpha {a.zipf_alpha:g}; --max-loras-per-batch {a.max_loras_per_batch}, "
-        f"--max-loaded-loras {a.max_loaded_loras}"
+        f"--max-lora-rank {a.max_lora_rank}, --max-loaded-loras {a.max_loaded_loras}"
     )
     print(
         f"{'':<16}{'adapters':>9}{'distinct':>9}{'in flight':>10}{'reloads':>8}{'evicts':>7}{'tok/s':>9}{'ratio':>7}"
@@ -260,6 +265,7 @@ def main() -> None:
     p.add_argument("--max-loras-per-batch", type=int, default=8)
     p.add_argument("--max-loaded-loras", type=int, default=64, help="host tier (most adapters stay on disk)")
     p.add_argument("--ranks", default="8,12,16")
+    p.add_argument("--max-lora-rank", type=int, default=0, help="the pools' largest rank (default: of --ranks)")
     p.add_argument("--targets", default="q_proj,v_proj", help="comma-separated; all seven take 5x the disk")
     p.add_argument("--load-samples", type=int, default=8)
     p.add_argument("--dtype", default="bfloat16")
@@ -269,6 +275,7 @@ def main() -> None:
     a = p.parse_args()
     if not 0 < a.hot_adapters <= a.adapters:
         p.error("--hot-adapters must be between 1 and --adapters")
+    a.max_lora_rank = a.max_lora_rank or max(int(r) for r in a.ranks.split(","))
     from ipc.client import LoomClient
     from ipc.model_config import load_model_config
     from ipc.model_source import resolve_model_path
@@ -287,7 +294,7 @@ def main() -> None:
         "--dtype", a.dtype, "--quantization", a.quantization, "--tp-size", str(a.tp_size), "--enable-lora",
         "--lora-root", str(folder),
         "--max-loras-per-batch", str(a.max_loras_per_batch), "--max-loaded-loras", str(a.max_loaded_loras),
-        "--max-lora-rank", str(max(int(r) for r in a.ranks.split(","))), "--lora-target-modules",
+        "--max-lora-rank", str(a.max_lora_rank), "--lora-target-modules",
         *a.targets.split(","), "--max-total-tokens", str(a.concurrency * (a.prompt_tokens + a.new_tokens) + 256),
     ]  # fmt: skip
     print(f"cluster: launch.py {' '.join(flags)}", flush=True)

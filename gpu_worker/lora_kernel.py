@@ -20,7 +20,7 @@ from gpu_worker.native_build import CSRC, load_kernel
 SOURCE = CSRC / "lora_sgmv.c"
 MAX_IN_DIM = 4096  # the kernel's per-thread row buffers; wider inputs use the torch path
 BLOCK_COLS = 32  # output columns per block of an expand buffer (one 64-byte line of bf16 per rank)
-TILE_PAD = 16 * 2 * BLOCK_COLS  # elements after a slot's expand weights that AMX's 16-row tiles may read (zeros)
+TILE_PAD = 16 * 2 * BLOCK_COLS  # elements after an expand arena that AMX's 16-row tiles may read (zeros)
 
 
 def packed_elems(fout: int, r: int, bf16: bool) -> int:
@@ -28,9 +28,10 @@ def packed_elems(fout: int, r: int, bf16: bool) -> int:
     return -(-fout // BLOCK_COLS) * ((r + 1) // 2 * 2 if bf16 else r) * BLOCK_COLS
 
 
-def b_capacity(fout: int, max_rank: int) -> int:
-    """Elements of one slot's expand buffer for the kernel: the packing at the largest rank plus :data:`TILE_PAD`."""
-    return packed_elems(fout, max_rank, True) + TILE_PAD
+def b_row_elems(fout: int) -> int:
+    """Elements one rank row takes in an expand arena (one rank of every column block, either dtype): an entry
+    whose first rank row is ``start`` begins at element ``start * b_row_elems(fout)``."""
+    return -(-fout // BLOCK_COLS) * BLOCK_COLS
 
 
 def pack_b(b: torch.Tensor, dst: torch.Tensor) -> int:
@@ -75,13 +76,13 @@ _ARGTYPES = [
     _P,  # tok (int64: the LoRA tokens' rows, grouped by slot)
     _I64,  # nseg
     _P,  # seg (int64 nseg x 3)
-    _P,  # A (slot 0 of the fused buffer)
-    _I64,  # a_slot_stride (elements)
+    _P,  # A (the fused arena, [rows, in])
+    _P,  # start (int64 [slots]: each slot's first rank row in the arenas)
+    _I32,  # a_padded (16 rows exist past every slot's rows)
     _I32,  # w_bf16
     _I64,  # nmod
     _P,  # ranks (int32 [slots, nmod] of this layer)
     _P,  # B (nmod pointers)
-    _P,  # b_slot_stride (int64 x nmod)
     _P,  # out_k (int64 x nmod)
     _P,  # col_k (int64 x nmod)
     _P,  # u scratch (fp32)
@@ -106,29 +107,34 @@ def load_sgmv(cache_dir: Path) -> ctypes._CFuncPtr | None:  # type: ignore[name-
 
 
 class SgmvLayerArgs:
-    """The constant arguments of one (layer, fused projection) call: slot buffers, ranks, column offsets.
+    """The constant arguments of one (layer, fused projection) call: arenas, slot places, ranks, column offsets.
 
-    ``A`` is the fused shrink buffer ``[slots, >= max_rank * nmod, in]`` (AMX needs the rows in whole 16-row
-    tiles), ``Bs`` the sub-modules' expand buffers ``[slots, b_capacity(out_k, max_rank)]``, each slot written
-    by :func:`pack_b` at its rank, ``outs``
-    their real widths, ``ranks`` an int32 ``[slots, nmod]`` view kept current by the pool, ``cols`` each
-    sub-module's first column in the fused output. All tensors must outlive this object (the pool's do).
+    ``A`` is the fused shrink arena ``[rows, in]``: slot ``s`` holds rank ``j`` of sub-module ``k`` in row
+    ``(start[s] + j) * nmod + k``, and at least 16 rows follow the last slot's (AMX reads whole 16-row tiles).
+    ``Bs`` are the sub-modules' 1-D expand arenas: slot ``s`` from element ``start[s] * b_row_elems(out_k)``,
+    written by :func:`pack_b` at its rank, and :data:`TILE_PAD` zeros after the last slot. ``outs`` are their
+    real widths, ``ranks`` an int32 ``[slots, nmod]`` view and ``start`` an int64 ``[slots]`` tensor, both kept
+    current by the pool, ``cols`` each sub-module's first column in the fused output. All tensors must outlive
+    this object (the pool's do).
     """
 
     def __init__(
-        self, A: torch.Tensor, Bs: list[torch.Tensor], outs: list[int], ranks: torch.Tensor, cols: list[int]
+        self,
+        A: torch.Tensor,
+        Bs: list[torch.Tensor],
+        outs: list[int],
+        ranks: torch.Tensor,
+        cols: list[int],
+        start: torch.Tensor,
     ) -> None:
         n = len(Bs)
-        self._keep = (A, Bs, ranks)
-        self.in_dim = A.shape[2]
+        self._keep = (A, Bs, ranks, start)
+        self.in_dim = A.shape[1]
         self.w_bf16 = int(A.dtype == torch.bfloat16)
         self.b_ptrs = (ctypes.c_void_p * n)(*[b.data_ptr() for b in Bs])
-        self.b_strides = (ctypes.c_int64 * n)(*[b.stride(0) for b in Bs])
         self.out_k = (ctypes.c_int64 * n)(*outs)
         self.col_k = (ctypes.c_int64 * n)(*cols)
-        self.tail = (
-            A.data_ptr(), A.stride(0), self.w_bf16, n, ranks.data_ptr(), self.b_ptrs, self.b_strides
-        )  # fmt: skip
+        self.tail = (A.data_ptr(), start.data_ptr(), 1, self.w_bf16, n, ranks.data_ptr(), self.b_ptrs)
 
 
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
@@ -191,11 +197,13 @@ def _kernel_beats_torch(fn: ctypes._CFuncPtr, dtype: torch.dtype) -> tuple[bool,
     a = (torch.randn(n, 3 * r, d, generator=g) * 0.05).to(dtype)
     bs = [(torch.randn(n, r, o, generator=g) * 0.05).to(dtype) for o in outs]
     ranks = torch.full((n, 3), r, dtype=torch.int32)
-    blocked = [torch.zeros(n, b_capacity(o, r), dtype=dtype) for o in outs]
-    for b, pb in zip(bs, blocked, strict=True):
+    start = torch.arange(n, dtype=torch.int64) * r
+    arena = torch.cat([a.reshape(n * 3 * r, d), torch.zeros(16, d, dtype=dtype)])
+    blocked = [torch.zeros(n * r * b_row_elems(o) + TILE_PAD, dtype=dtype) for o in outs]
+    for b, pb, o in zip(bs, blocked, outs, strict=True):
         for s in range(n):
-            pack_b(b[s].T, pb[s])
-    la = SgmvLayerArgs(a, blocked, list(outs), ranks, [0, outs[0], outs[0] + outs[1]])
+            pack_b(b[s].T, pb[s * r * b_row_elems(o) :])
+    la = SgmvLayerArgs(arena, blocked, list(outs), ranks, [0, outs[0], outs[0] + outs[1]], start)
     seg = torch.tensor([[s, s * tm, (s + 1) * tm] for s in range(n)], dtype=torch.int64)
     tok = torch.arange(n * tm)
     u = torch.zeros(n * tm + 8, 3 * r)

@@ -22,8 +22,9 @@ import torch
 
 from gpu_worker.lora_cache import CacheKey, HostWeightCache
 from gpu_worker.lora_kernel import (
+    TILE_PAD,
     SgmvLayerArgs,
-    b_capacity,
+    b_row_elems,
     choose_backend,
     pack_b,
     packed_elems,
@@ -34,7 +35,7 @@ from gpu_worker.lora_weights import module_dims, read_adapter, shard_range
 from gpu_worker.timing import best_time
 from gpu_worker.tp_plan import ShardPlan
 from ipc.config import ServerArgs
-from ipc.lora_config import LLAMA_LORA_MODULES, adapter_content_hash, read_adapter_config
+from ipc.lora_config import LLAMA_LORA_MODULES, LORA_RANK_UNIT, adapter_content_hash, lora_rows, read_adapter_config
 from ipc.messages import AdapterState
 from ipc.model_config import ModelConfig
 from ipc.model_source import cache_root
@@ -66,23 +67,43 @@ class HostAdapter:
     content_hash: str = ""
     path: str = ""
 
+    @property
+    def rows(self) -> int:
+        """Rank rows it takes in a slot (:func:`lora_rows` of its largest rank)."""
+        return lora_rows(max(self.ranks.values(), default=0))
+
 
 class LoraPool:
     """Slots and host tier of one TP rank.
 
-    Device buffers per layer and target module: ``A [slots, max_rank, in_local]`` (views of one fused buffer per
-    projection, rank-major) and ``B [slots, max_rank, out_local]`` (scaling folded into B), or with the C kernel
-    one packed run per slot (see ``_b_shape``). ``slot_rank[s][layer][module]`` is the rank the slot's
-    occupant has there, 0 where it has no weights (the buffer is zeroed too, so nothing of a previous occupant
-    can leak); ``rank_tab[fused]`` holds the same ranks as int32 ``[layers, slots, sub-modules]`` for the kernel.
+    Memory: ``--max-loras-per-batch`` x ``--max-lora-rank`` rank rows per layer and target module (as many
+    adapters at the largest rank), shared by adapters at their own rank: an adapter takes
+    :func:`lora_rows` (its largest rank, rounded up to :data:`LORA_RANK_UNIT`) consecutive rank rows, so twice
+    as many adapters of half the largest rank fit (S-LoRA's unified paging, arXiv 2311.03285, with rank rows as
+    pages). A *slot* is an entry of that arena: ``slot_start[s]`` (its first rank row) and ``slot_rows[s]``.
+    When no gap is long enough but enough rows are free, the entries are compacted to the front (in place,
+    keeping their slot numbers); the scheduler admits a batch only if its adapters' rows fit, so a batch always
+    finds room.
+
+    Device buffers per layer and target module: ``A [rows, in_local]`` (views of one fused arena per
+    projection, rank-major: row ``(start + j) * nmod + k`` holds rank j of sub-module k, then 16 zero rows) and
+    ``B`` as ``[rows + 1, out_local]`` (scaling folded into B; the last row stays zero), or with the C kernel a
+    1-D arena where each slot's run is packed at its occupant's rank (see ``lora_kernel.pack_b``).
+    ``slot_rank[s][layer][module]`` is the rank the slot's occupant has there, 0 where it has no weights; a
+    slot's rows past that rank are zero (written on placement), so nothing of a previous occupant can leak.
+    ``rank_tab[fused]`` holds the same ranks as int32 ``[layers, slots, sub-modules]`` and ``start_tab`` the
+    slots' first rows as int64, both for the kernel.
     """
 
     def __init__(
         self, args: ServerArgs, cfg: ModelConfig, plan: ShardPlan, dtype: torch.dtype, device: torch.device, group=None
     ) -> None:
         self.cfg, self.plan, self.dtype, self.device = cfg, plan, dtype, device
-        self.n_slots = args.max_loras_per_batch
+        self.n_slots = args.max_loras_per_batch  # adapters at --max-lora-rank that fit (the memory budget)
         self.max_rank = args.max_lora_rank
+        self.slot_size = lora_rows(self.max_rank)  # rank rows of one adapter at --max-lora-rank
+        self.capacity = self.n_slots * self.slot_size  # rank rows per arena
+        self.n_entries = self.capacity // LORA_RANK_UNIT  # most adapters resident at once
         self.policy = args.lora_eviction_policy
         if self.policy not in ("lru", "fifo"):
             raise ValueError(f"--lora-eviction-policy {self.policy!r}: choose lru or fifo")
@@ -94,18 +115,22 @@ class LoraPool:
         # the kernel reads bf16 slots at full speed on any CPU; the torch path may need fp32 ones
         self.slot_dtype = dtype if self.sgmv is not None else measure_slot_dtype(dtype, device)
         self.host: dict[str, HostAdapter] = {}
-        self.slot_uid: list[str | None] = [None] * self.n_slots
+        self.slot_uid: list[str | None] = [None] * self.n_entries
+        self.slot_start = [0] * self.n_entries
+        self.slot_rows = [0] * self.n_entries
+        self.start_tab = torch.zeros(self.n_entries, dtype=torch.int64)
         self.uid_slot: dict[str, int] = {}
         self.order: list[str] = []  # uids in slots, eviction order (first = next victim)
         self.local_dims = {m: self._local_dims(m) for m in LLAMA_LORA_MODULES}  # (in, out) on this rank
-        self.slot_rank = [[dict.fromkeys(self.targets, 0) for _ in range(cfg.num_layers)] for _ in range(self.n_slots)]
-        # A of the targeted sub-modules of one fused projection share one buffer, rank-major: row j*M + k holds
-        # rank j of sub-module k (M sub-modules), so one GEMM over the first r*M rows shrinks all of them at the
-        # batch's rank r, not at --max-lora-rank (r8 adapters under the default max rank 64 would compute 136
-        # shrink columns of qkv for 24 useful ones with sub-module blocks laid end to end)
+        self.slot_rank = [
+            [dict.fromkeys(self.targets, 0) for _ in range(cfg.num_layers)] for _ in range(self.n_entries)
+        ]
+        # A of the targeted sub-modules of one fused projection share one arena, rank-major: row j*M + k of a
+        # slot holds rank j of sub-module k (M sub-modules), so one GEMM over the first r*M rows shrinks all of
+        # them at the batch's rank r, not at --max-lora-rank
         self.fused_targets = {f: [m for m in mods if m in self.targets] for f, mods in FUSED.items()}
         self.A_fused: list[dict[str, torch.Tensor]] = []
-        self.A: list[dict[str, torch.Tensor]] = []  # views of A_fused: [slots, max_rank, in_local] per module
+        self.A: list[dict[str, torch.Tensor]] = []  # views of A_fused: [capacity, in_local] per module
         self.B: list[dict[str, torch.Tensor]] = []
         for _ in range(cfg.num_layers):
             af_l, a_l, b_l = {}, {}, {}
@@ -113,21 +138,20 @@ class LoraPool:
                 if not mods:
                     continue
                 fin = self._local_dims(mods[0])[0]
-                rows = self.max_rank * len(mods)
-                if self.sgmv is not None:  # whole 16-row tiles, so the kernel's AMX shrink never reads past a slot
-                    rows = -(-rows // 16) * 16
-                af = torch.zeros(self.n_slots, rows, fin, dtype=self.slot_dtype, device=device)
+                rows = self.capacity * len(mods)
+                # 16 zero rows after the arena: AMX's 16-row shrink tiles may read past the last slot, and the
+                # torch path's gathers read them for padding
+                af = torch.zeros(rows + 16, fin, dtype=self.slot_dtype, device=device)
                 af_l[f] = af
-                per_rank = af[:, : self.max_rank * len(mods)].view(self.n_slots, self.max_rank, len(mods), fin)
+                per_rank = af[:rows].view(self.capacity, len(mods), fin)
                 for k, m in enumerate(mods):
-                    a_l[m] = per_rank[:, :, k]  # [slots, max_rank, in] (strided view)
-                    fout = self._local_dims(m)[1]
-                    b_l[m] = torch.zeros(self._b_shape(fout), dtype=self.slot_dtype, device=device)
+                    a_l[m] = per_rank[:, k]  # [capacity, in] (strided view)
+                    b_l[m] = torch.zeros(self._b_shape(self._local_dims(m)[1]), dtype=self.slot_dtype, device=device)
             self.A_fused.append(af_l)
             self.A.append(a_l)
             self.B.append(b_l)
         self.rank_tab = {
-            f: torch.zeros(cfg.num_layers, self.n_slots, len(mods), dtype=torch.int32)
+            f: torch.zeros(cfg.num_layers, self.n_entries, len(mods), dtype=torch.int32)
             for f, mods in self.fused_targets.items()
             if mods
         }
@@ -143,32 +167,46 @@ class LoraPool:
                             [self.local_dims[m][1] for m in self.fused_targets[f]],
                             self.rank_tab[f][layer],
                             [c for _, _, c in self.cols[f]],
+                            self.start_tab,
                         )
                         for f in self.rank_tab
                     }
                 )
 
     def _b_shape(self, fout: int) -> tuple[int, ...]:
-        """An expand buffer's shape: ``[slots, max_rank, out]``; for the C kernel one flat run per slot, written
-        by ``lora_kernel.pack_b`` at the occupant's rank (column blocks of all its ranks), so a slot's weights
-        stream from memory in one run whatever its rank is."""
+        """An expand arena's shape: ``[capacity + 1, out]`` rank rows (the last one zero); for the C kernel one
+        flat run per slot, written by ``lora_kernel.pack_b`` at the occupant's rank (column blocks of all its
+        ranks), so a slot's weights stream from memory in one run whatever its rank is."""
         if self.sgmv is None:
-            return (self.n_slots, self.max_rank, fout)
-        return (self.n_slots, b_capacity(fout, self.max_rank))
+            return (self.capacity + 1, fout)
+        return (self.capacity * b_row_elems(fout) + TILE_PAD,)
+
+    def _b_region(self, layer: int, m: str, start: int, n: int) -> torch.Tensor:
+        """Rank rows ``start .. start + n`` of ``m``'s expand arena (rows, or the kernel's elements)."""
+        b = self.B[layer][m]
+        if self.sgmv is None:
+            return b[start : start + n]
+        e = b_row_elems(self.local_dims[m][1])
+        return b[start * e : (start + n) * e]
+
+    def a_matrix(self, layer: int, m: str, s: int) -> torch.Tensor:
+        """Slot ``s``'s shrink weights of ``m`` as ``[slot_rows[s], in_local]`` (rows past its rank zero)."""
+        return self.A[layer][m][self.slot_start[s] : self.slot_start[s] + self.slot_rows[s]]
 
     def b_matrix(self, layer: int, m: str, s: int) -> torch.Tensor:
-        """Slot ``s``'s expand weights of ``m`` as ``[max_rank, out_local]`` (scaling folded in), either layout.
+        """Slot ``s``'s expand weights of ``m`` as ``[slot_rows[s], out_local]`` (scaling folded in), either layout.
 
-        For the kernel's packed layout, rows past the slot's rank are the rest of its buffer (zero unless
+        For the kernel's packed layout, rows past the slot's rank are the rest of its region (zero unless
         something of a previous occupant survived)."""
-        b = self.B[layer][m][s]
+        n = self.slot_rows[s]
+        b = self._b_region(layer, m, self.slot_start[s], n)
         if self.sgmv is None:
             return b
         fout, r = self.local_dims[m][1], self.slot_rank[s][layer][m]
         used = unpack_b(b, fout, r)
         left = float(b[packed_elems(fout, r, b.dtype == torch.bfloat16) :].abs().sum())
-        rest = torch.zeros(self.max_rank - r, fout, dtype=b.dtype)
-        if left and self.max_rank > r:  # anything past the occupant's weights shows up in the rows past its rank
+        rest = torch.zeros(n - r, fout, dtype=b.dtype)
+        if left and n > r:  # anything past the occupant's weights shows up in the rows past its rank
             rest[0, 0] = left
         return torch.cat([used, rest])
 
@@ -201,7 +239,13 @@ class LoraPool:
 
     def host_adapters(self) -> list[AdapterState]:
         """The host tier's adapters (uid, name, path, pinned, content hash), sorted by uid."""
-        return [AdapterState(a.uid, a.name, a.path, a.pinned, a.content_hash) for _, a in sorted(self.host.items())]
+        return [
+            AdapterState(a.uid, a.name, a.path, a.pinned, a.content_hash, a.rows) for _, a in sorted(self.host.items())
+        ]
+
+    def rows_of(self, uid: str) -> int:
+        """Rank rows adapter ``uid`` (in the host tier) takes in a slot."""
+        return self.host[uid].rows
 
     def load(self, uid: str, name: str, path: str, pinned: bool = False, expect_hash: str = "") -> str:
         """Validate and read an adapter into the host tier (a pinned one also takes a slot now).
@@ -224,9 +268,12 @@ class LoraPool:
         extra = sorted({m for (_, m) in weights} - set(self.targets))
         if extra:
             raise LoraPoolError(f"LoRA adapter {name} targets {extra}, outside --lora-target-modules {self.targets}")
-        if pinned and sum(self.host[u].pinned for u in self.host) + 1 >= self.n_slots:
+        rows = lora_rows(max((a.shape[0] for a, _ in weights.values()), default=0))
+        if pinned and self._pinned_rows() + rows + self.slot_size > self.capacity:
             raise LoraPoolError(
-                f"LoRA adapter {name}: pinning it would leave no free slot of {self.n_slots} for other adapters"
+                f"LoRA adapter {name}: pinning it would leave no free slot of {self.n_slots} for other adapters "
+                f"(pinned adapters would hold {self._pinned_rows() + rows} of {self.capacity} rank rows, and an "
+                f"adapter at --max-lora-rank {self.max_rank} needs {self.slot_size})"
             )
         tp = (self.plan.rank, self.plan.tp_size)
         try:
@@ -253,44 +300,77 @@ class LoraPool:
         self.cache.drop_uid(uid)
 
     # ------------------------------------------------------------------ slots
+    def _pinned_rows(self) -> int:
+        return sum(a.rows for a in self.host.values() if a.pinned)
+
+    def _zero_region(self, start: int, n: int) -> None:
+        """Zero rank rows ``start .. start + n`` of every arena."""
+        for layer in range(self.cfg.num_layers):
+            for m in self.targets:
+                self.A[layer][m][start : start + n].zero_()
+                self._b_region(layer, m, start, n).zero_()
+
     def _clear_slot(self, s: int) -> None:
+        """Empty slot ``s``: its rows are zeroed and it holds no ranks."""
+        self._zero_region(self.slot_start[s], self.slot_rows[s])
         for layer in range(self.cfg.num_layers):
             for m in self.targets:
                 if self.slot_rank[s][layer][m]:
-                    self.A[layer][m][s].zero_()
-                    self.B[layer][m][s].zero_()
                     self._set_rank(s, layer, m, 0)
+        self.slot_uid[s] = None
+        self.slot_start[s] = self.slot_rows[s] = 0
+        self.start_tab[s] = 0
 
     def _write_slot(self, s: int, uid: str) -> None:
-        """Copy ``uid``'s shards into slot ``s``; modules it lacks are zeroed and get rank 0."""
+        """Copy ``uid``'s shards into slot ``s`` (placed, rows zeroed); modules it lacks get rank 0."""
         ad = self.host[uid]
         tp = (self.plan.rank, self.plan.tp_size)
         nb = self.device.type == "cuda"
+        start = self.slot_start[s]
         for layer in range(self.cfg.num_layers):
             for m in self.targets:
                 r = ad.ranks.get((layer, m), 0)
-                old = self.slot_rank[s][layer][m]
+                self._set_rank(s, layer, m, r)
                 if r == 0:
-                    if old:
-                        self.A[layer][m][s].zero_()
-                        self.B[layer][m][s].zero_()
-                    self._set_rank(s, layer, m, 0)
                     continue
                 fin, fout = self._local_dims(m)
                 a = self.cache.get(CacheKey(uid, layer, m, "A", *tp), (r, fin), self.dtype)
                 b = self.cache.get(CacheKey(uid, layer, m, "B", *tp), (fout, r), self.dtype)
-                self.A[layer][m][s, :r].copy_(a, non_blocking=nb)
+                self.A[layer][m][start : start + r].copy_(a, non_blocking=nb)
+                dst = self._b_region(layer, m, start, self.slot_rows[s])
                 if self.sgmv is None:
-                    if old > r:  # the previous occupant's extra rank rows must not survive
-                        self.B[layer][m][s, r:old].zero_()
-                    self.B[layer][m][s, :r].copy_(b.T, non_blocking=nb)
-                else:  # packed at rank r (see _b_shape); a previous occupant's longer run is cleared
-                    n = pack_b(b, self.B[layer][m][s])
-                    if old > r:
-                        self.B[layer][m][s, n:].zero_()
-                if old > r:  # the previous occupant's extra rank rows must not survive
-                    self.A[layer][m][s, r:old].zero_()
-                self._set_rank(s, layer, m, r)
+                    dst[:r].copy_(b.T, non_blocking=nb)
+                else:  # packed at rank r (see _b_shape)
+                    pack_b(b, dst)
+
+    def _gap(self, need: int) -> int | None:
+        """First rank row of the lowest gap of ``need`` free rows, or None."""
+        pos = 0
+        for st, n in sorted((self.slot_start[s], self.slot_rows[s]) for s in self.uid_slot.values()):
+            if st - pos >= need:
+                return pos
+            pos = st + n
+        return pos if self.capacity - pos >= need else None
+
+    def _compact(self) -> None:
+        """Move every slot's rows to the front, in order of place (slot numbers stay): one gap at the end."""
+        pos = 0
+        for st, s in sorted((self.slot_start[s], s) for s in self.uid_slot.values()):
+            n = self.slot_rows[s]
+            if st != pos:
+                for layer in range(self.cfg.num_layers):
+                    for m in self.targets:
+                        self.A[layer][m][pos : pos + n] = self.A[layer][m][st : st + n].clone()
+                        self._b_region(layer, m, pos, n).copy_(self._b_region(layer, m, st, n).clone())
+                self.slot_start[s] = pos
+                self.start_tab[s] = pos
+            pos += n
+        self._zero_region(pos, self.capacity - pos)
+
+    def _evict(self, uid: str) -> None:
+        s = self.uid_slot.pop(uid)
+        self.order.remove(uid)
+        self._clear_slot(s)
 
     def _ensure_slot(self, uid: str, protected: tuple[str, ...] | list[str]) -> int:
         s = self.uid_slot.get(uid)
@@ -301,19 +381,26 @@ class LoraPool:
             return s
         if uid not in self.host:
             raise LoraPoolError(f"LoRA adapter uid {uid} is not loaded on TP rank {self.plan.rank}")
-        free = [i for i, u in enumerate(self.slot_uid) if u is None]
-        if free:
-            s = free[0]
-        else:
+        need = self.host[uid].rows
+        start = self._gap(need)
+        while start is None:
+            if self.capacity - sum(self.slot_rows) >= need:
+                self._compact()
+                start = self._gap(need)
+                break
             victim = next((u for u in self.order if u not in protected and not self.host[u].pinned), None)
             if victim is None:
                 raise LoraPoolError(
-                    f"all {self.n_slots} LoRA slots on TP rank {self.plan.rank} hold pinned or in-batch adapters"
+                    f"all {self.n_slots} LoRA slots on TP rank {self.plan.rank} hold pinned or in-batch adapters "
+                    f"(adapter {self.host[uid].name} needs {need} of {self.capacity} rank rows)"
                 )
-            s = self.uid_slot.pop(victim)
-            self.order.remove(victim)
-        self._write_slot(s, uid)
+            self._evict(victim)
+            start = self._gap(need)
+        s = self.slot_uid.index(None)
         self.slot_uid[s] = uid
+        self.slot_start[s], self.slot_rows[s] = start, need
+        self.start_tab[s] = start
+        self._write_slot(s, uid)
         self.uid_slot[uid] = s
         self.order.append(uid)
         return s
@@ -322,11 +409,18 @@ class LoraPool:
         """Give every distinct adapter of a batch a slot; return each request's slot (-1 = base).
 
         The distinct uids are visited in sorted order, and none of them can evict another one of the batch.
+        Raises LoraPoolError when their rank rows and the pinned adapters' exceed the pool (nothing moves then).
         """
         needed = sorted({u for u in uids if u is not None})
-        if len(needed) > self.n_slots:
+        for u in needed:
+            if u not in self.host:
+                raise LoraPoolError(f"LoRA adapter uid {u} is not loaded on TP rank {self.plan.rank}")
+        rows = sum(self.host[u].rows for u in needed)
+        pinned = sum(a.rows for u, a in self.host.items() if a.pinned and u not in needed)
+        if rows + pinned > self.capacity:
             raise LoraPoolError(
-                f"batch needs {len(needed)} adapters but TP rank {self.plan.rank} has {self.n_slots} slots"
+                f"batch needs {len(needed)} adapters ({rows} rank rows) but TP rank {self.plan.rank} has "
+                f"{self.n_slots} slots of rank {self.slot_size} ({self.capacity} rank rows, {pinned} pinned)"
             )
         for u in needed:
             self._ensure_slot(u, protected=needed)
@@ -353,8 +447,10 @@ class LoraPool:
         return {u: s for s, u in enumerate(self.slot_uid) if u is not None}
 
     def digest(self) -> tuple[str, dict[str, int]]:
-        """Hash of (slot table, eviction order) and the table itself, for the cross-rank check."""
-        state = json.dumps({"slots": self.slot_uid, "order": self.order}, separators=(",", ":"))
+        """Hash of (slot table, slot places, eviction order) and the table itself, for the cross-rank check."""
+        state = json.dumps(
+            {"slots": self.slot_uid, "start": self.slot_start, "order": self.order}, separators=(",", ":")
+        )
         return hashlib.sha256(state.encode()).hexdigest()[:16], self.table()
 
 
@@ -363,10 +459,11 @@ class LoraBatch:
 
     Two ways to run the same maths, chosen per step:
 
-    - **Batched** (decode-like steps, where segments are short and similar): every slot's tokens are gathered
-      into a padded ``[n_slots, Tmax, in]`` block and one ``bmm`` shrinks all slots through the stacked A of
-      every targeted sub-module; one ``bmm`` per sub-module expands at the batch's largest rank for it into
-      a padded delta block, and one ``index_select`` hands every token its row back. The op count no longer
+    - **Batched** (decode-like steps, where segments are short and similar): the tokens of the batch's n slots
+      are gathered into a padded ``[n, Tmax, in]`` block, their A rows out of the arena into ``[n, r * M, in]``
+      (rows past a slot's size read the zero rows after the arena), and one ``bmm`` shrinks all slots through
+      the stacked A of every targeted sub-module; one ``bmm`` per sub-module expands at the batch's largest
+      rank for it into a padded delta block, and one ``index_select`` hands every token its row back. The op count no longer
       grows with the number of adapters (on CPU a small GEMM costs tens of microseconds of fixed overhead,
       which dominated mixed batches).
     - **Per segment** (a long prefill next to short segments would make the padding costly): per segment and
@@ -393,18 +490,20 @@ class LoraBatch:
             per_slot.setdefault(s, []).extend(range(t0, t1))
         real = sum(len(v) for v in per_slot.values())
         if per_slot and real and pool.sgmv is None:
-            n = max(per_slot) + 1
+            n = len(per_slot)
             tmax = max(len(v) for v in per_slot.values())
             if n * tmax <= self.PAD_LIMIT * real + 8:
                 src = [0] * (n * tmax)  # token each padded row reads (0 for padding)
                 pos = [n * tmax] * self.num_tokens  # each token's padded row (n*tmax: the zero row, base tokens)
-                for s, toks in per_slot.items():
-                    src[s * tmax : s * tmax + len(toks)] = toks
-                    for i, tok in enumerate(toks):
-                        pos[tok] = s * tmax + i
+                for i, sl in enumerate(sorted(per_slot)):
+                    toks = per_slot[sl]
+                    src[i * tmax : i * tmax + len(toks)] = toks
+                    for j, tok in enumerate(toks):
+                        pos[tok] = i * tmax + j
                 dev = pool.device
                 self._batched = (n, tmax, torch.tensor(src, device=dev), torch.tensor(pos, device=dev))
         self._slots = sorted(per_slot)
+        self._rows_idx: dict[int, torch.Tensor] = {}  # nmod -> the batched path's gather rows (see _arena_rows)
         self._seg: torch.Tensor | None = None  # the C kernel's token list and segments (by slot), and scratch
         self._tok: torch.Tensor | None = None
         self._u: torch.Tensor | None = None
@@ -436,6 +535,22 @@ class LoraBatch:
         else:
             self._add_segments(layer, fused, cols, x, out)
 
+    def _arena_rows(self, nmod: int) -> torch.Tensor:
+        """int64 ``[n, R * nmod]``: row ``j`` of the batch's ``i``-th slot in an arena of ``nmod`` sub-modules
+        (``R`` the largest slot size of the batch); rows past a slot's size point at the zero row after the arena.
+        With ``nmod`` = 1 it indexes B's rank rows (whose zero row is row ``capacity``)."""
+        idx = self._rows_idx.get(nmod)
+        if idx is None:
+            p = self.pool
+            big = max(p.slot_rows[s] for s in self._slots) * nmod
+            j = torch.arange(big)
+            rows = [
+                torch.where(j < p.slot_rows[s] * nmod, p.slot_start[s] * nmod + j, p.capacity * nmod)
+                for s in self._slots
+            ]
+            idx = self._rows_idx[nmod] = torch.stack(rows).to(p.device)
+        return idx
+
     def _add_batched(self, layer: int, fused: str, cols: list, x: torch.Tensor, out: torch.Tensor) -> None:
         p = self.pool
         n, tmax, src, pos = self._batched  # type: ignore[misc]
@@ -448,14 +563,16 @@ class LoraBatch:
         xs = x.index_select(0, src)
         if xs.dtype != af.dtype:
             xs = xs.to(af.dtype)
-        u = torch.bmm(xs.view(n, tmax, -1), af[:n, : rmax * nmod].transpose(1, 2)).view(n, tmax, rmax, nmod)
+        a = af.index_select(0, self._arena_rows(nmod)[:, : rmax * nmod].reshape(-1)).view(n, rmax * nmod, -1)
+        u = torch.bmm(xs.view(n, tmax, -1), a.transpose(1, 2)).view(n, tmax, rmax, nmod)
         # every slot's delta lands in its padded row of ``d`` (the last row stays zero for base tokens); one
         # gather by ``pos`` then brings each token its own row: index_add_ into the tokens' rows was 10x slower
         d = torch.zeros(n * tmax + 1, out.shape[1], dtype=af.dtype, device=out.device)
         d3 = d[:-1].view(n, tmax, -1)
         for (k, m, c), r in zip(cols, ranks, strict=True):
             if r:
-                b = p.B[layer][m][:n, :r]  # [n, r, out_m]
+                bm = p.B[layer][m]
+                b = bm.index_select(0, self._arena_rows(1)[:, :r].reshape(-1)).view(n, r, -1)  # [n, r, out_m]
                 torch.bmm(u[:, :, :r, k], b, out=d3[:, :, c : c + b.shape[2]])
         out += d.index_select(0, pos)
 
@@ -474,10 +591,12 @@ class LoraBatch:
             rmax = max(ranks)
             if not rmax:
                 continue
-            u = (xs_all[t0:t1] @ af[s, : rmax * nmod].T).view(-1, rmax, nmod)  # every sub-module's shrink at once
+            st = p.slot_start[s]
+            a = af[st * nmod : (st + rmax) * nmod]
+            u = (xs_all[t0:t1] @ a.T).view(-1, rmax, nmod)  # every sub-module's shrink at once
             for (k, m, c), r in zip(cols, ranks, strict=True):
                 if r:
-                    b = p.B[layer][m][s, :r]  # [r, out_m]
+                    b = p.B[layer][m][st : st + r]  # [r, out_m]
                     acc[t0:t1, c : c + b.shape[1]].addmm_(u[:, :r, k], b)
                     touched = True
         if touched and not same:

@@ -399,7 +399,8 @@ class Worker:
             content_hash = self.lora.load(msg.uid, msg.name, msg.path, msg.pinned, msg.content_hash)
         except Exception as e:  # noqa: BLE001 - every failure goes back to the scheduler as text
             return LoraOpAck(msg.op_id, self.rank, False, str(e), epoch=self.epoch)
-        return LoraOpAck(msg.op_id, self.rank, True, content_hash=content_hash, epoch=self.epoch)
+        rows = self.lora.rows_of(msg.uid)
+        return LoraOpAck(msg.op_id, self.rank, True, content_hash=content_hash, epoch=self.epoch, rows=rows)
 
     def unload_lora(self, msg: WorkerLoraUnload) -> LoraOpAck:
         """Drop an adapter from this rank (idempotent)."""

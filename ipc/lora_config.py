@@ -29,6 +29,8 @@ DEFAULT_SERVED_MODEL_NAME = "SmolLM2-135M-Instruct"  # the base model's id when 
 MODEL_ADAPTER_SEPARATOR = ":"  # a request's model may be ``BASE:ADAPTER``
 WEIGHTS_FILE = "adapter_model.safetensors"
 MAX_ADAPTER_NAME = 128  # characters
+# LoRA pools allocate rank rows in units of this many ranks (even: bf16 expand weights are packed in rank pairs)
+LORA_RANK_UNIT = 4
 
 
 class LoraConfigError(ValueError):
@@ -82,6 +84,13 @@ class LoraAdapterConfig(msgspec.Struct, frozen=True):
     def max_rank(self) -> int:
         """Largest rank of any module (``r`` or any ``rank_pattern`` value)."""
         return max([self.r, *[int(v) for v in self.rank_pattern.values()]])
+
+
+def lora_rows(rank: int) -> int:
+    """Rank rows an adapter of (largest) rank ``rank`` takes in a LoRA pool: ``rank`` rounded up to
+    :data:`LORA_RANK_UNIT`. Worker pools and the scheduler's admission both count with it, so a batch the
+    scheduler admits always fits the pools."""
+    return -(-max(rank, 1) // LORA_RANK_UNIT) * LORA_RANK_UNIT
 
 
 def _spec_matches(spec: Union[str, list[str]], module_path: str) -> bool:

@@ -71,6 +71,7 @@ class AdapterState(msgspec.Struct, array_like=True):
     path: str
     pinned: bool
     content_hash: str
+    rows: int = 0  # rank rows it takes in a pool (ipc.lora_config.lora_rows); 0 = unknown
 
 
 class AdapterInfo(msgspec.Struct):
@@ -510,6 +511,7 @@ class LoraOpAck(msgspec.Struct, tag=True):
     error: str = ""
     content_hash: str = ""  # sha256 of the adapter files this rank read (loads only)
     epoch: int = 1
+    rows: int = 0  # rank rows the adapter takes in this rank's pool (loads only)
 
 
 class WorkerPong(msgspec.Struct, tag=True):

@@ -22,6 +22,7 @@ class LoadedAdapter:
     path: str
     pinned: bool
     content_hash: str
+    rows: int = 0  # rank rows it takes in a pool (0 = unknown: admission counts a whole slot)
 
 
 @dataclass
@@ -123,7 +124,8 @@ class LoraOps:
         if not error:
             if isinstance(c, LoraLoadCmd):
                 h = hashes.pop()
-                self.loaded[c.uid] = LoadedAdapter(c.uid, c.name, c.path, c.pinned, h)
+                rows = max(a.rows for a in acks)
+                self.loaded[c.uid] = LoadedAdapter(c.uid, c.name, c.path, c.pinned, h, rows)
                 return LoraOpResult(c.op_id, True, content_hash=h), []
             self.loaded.pop(c.uid, None)
             return LoraOpResult(c.op_id, True), []

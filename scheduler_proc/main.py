@@ -176,6 +176,7 @@ class SchedulerLoop:
             detokenize=lambda ids: tok.decode(ids, skip_special_tokens=True),
             special_tokens={i: t.content for i, t in tok.get_added_tokens_decoder().items() if t.special},
             max_loras_per_batch=self.args.max_loras_per_batch,
+            max_lora_rank=self.args.max_lora_rank,
             enable_prefix_cache=not self.args.disable_radix_cache,
             chunked_prefill_size=self.args.chunked_prefill_size,
             max_prefill_tokens=self.args.max_prefill_tokens,
@@ -183,7 +184,9 @@ class SchedulerLoop:
         # the adapters any rank holds; a rank lacking one of them gets it restored (same uid, content hash)
         for rank in sorted(self.ready):
             for a in self.ready[rank].adapters:
-                self.ops.loaded.setdefault(a.uid, LoadedAdapter(a.uid, a.name, a.path, a.pinned, a.content_hash))
+                self.ops.loaded.setdefault(
+                    a.uid, LoadedAdapter(a.uid, a.name, a.path, a.pinned, a.content_hash, a.rows)
+                )
         self.recovery.epoch = epoch
         self.recovery.phase = "waiting"
         for rank in sorted(self.ready):
@@ -195,7 +198,9 @@ class SchedulerLoop:
 
     def _send_view(self) -> None:
         """Tell the front door which adapters the workers hold (and that this scheduler incarnation is up)."""
-        adapters = [AdapterState(a.uid, a.name, a.path, a.pinned, a.content_hash) for a in self.ops.loaded.values()]
+        adapters = [
+            AdapterState(a.uid, a.name, a.path, a.pinned, a.content_hash, a.rows) for a in self.ops.loaded.values()
+        ]
         adapters.sort(key=lambda a: a.uid)
         serving = self.recovery.serving
         self._to_front(ClusterView(self.incarnation, self.recovery.epoch, adapters, self.restarts, serving))
@@ -389,6 +394,7 @@ class SchedulerLoop:
         s = self.sched
         s.pinned_uids = {u for u, p in self.ops.pinned.items() if p}
         s.loaded_uids = set(self.ops.loaded)
+        s.adapter_rows = {u: a.rows for u, a in self.ops.loaded.items() if a.rows}
         s.loading_uids = self.ops.loading()
         for uid in s.loaded_uids & set(s.lost_uids):  # loaded again since it was lost
             del s.lost_uids[uid]

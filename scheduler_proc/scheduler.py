@@ -4,10 +4,10 @@ Each step's plan holds every running request (one decode token each) plus prefil
 requests still being prefilled, then newly admitted requests. With ``chunked_prefill_size`` > 0 a step carries
 at most that many prefill tokens, so a long prompt is prefilled over several steps while the decodes go on.
 Admission is bounded by ``max_running_requests``, by a KV reservation of ``prompt + max_new_tokens`` tokens
-minus the cached prefix (so a running request never runs out of KV), and by the adapter limit: never more
-distinct adapters in one batch than LoRA slots. Fairness: requests are considered in arrival order; one that
-does not fit may be overtaken, but once the oldest waiting request has waited ``starvation_steps`` steps nothing
-that would take a new adapter slot or KV it needs overtakes it.
+minus the cached prefix (so a running request never runs out of KV), and by the adapter limit: a batch's
+distinct adapters must fit in the LoRA pools' rank rows, each at its own rank. Fairness: requests are
+considered in arrival order; one that does not fit may be overtaken, but once the oldest waiting request has
+waited ``starvation_steps`` steps nothing that would take a new adapter slot or KV it needs overtakes it.
 
 With the prefix cache (:mod:`scheduler_proc.radix_cache`) a request starting with tokens already cached under
 the same adapter uid reuses their KV slots (``prefix_len`` = the match in its first plan, ``prefix_slots`` =
@@ -22,6 +22,7 @@ from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from ipc.lora_config import lora_rows
 from ipc.messages import BatchReq, FinishReason, ForwardBatch, RowLogprobs, TokenizedReq, TokenOut, WorkerSampling
 from scheduler_proc.kv_allocator import KVBudget, SlotAllocator
 from scheduler_proc.radix_cache import RadixCache, RadixNode
@@ -163,7 +164,11 @@ class Scheduler:
         detokenize: ``ids -> text`` with special tokens skipped, used for stop strings (None disables them).
         special_tokens: special token id -> its text; stop strings that contain such text are matched against
             the output with special tokens written out (see :class:`StopStringMatcher`).
-        max_loras_per_batch: LoRA slots per rank; ``pinned_uids`` hold one each permanently.
+        max_loras_per_batch, max_lora_rank: the workers' LoRA pools hold ``max_loras_per_batch`` adapters at
+            ``max_lora_rank``, i.e. that many times ``lora_rows(max_lora_rank)`` rank rows, which adapters share at
+            their own rank: a batch's distinct adapters, plus the pinned ones, must fit in those rows.
+            ``adapter_rows`` (uid -> rows, from the workers' load acks) gives each adapter's need; an adapter
+            missing there counts a whole slot.
         enable_prefix_cache: keep finished and prefilled KV in a radix tree keyed by (adapter uid, token ids)
             and reuse it for requests that start the same way (``--disable-radix-cache`` turns it off; off by
             default here so a bare ``Scheduler`` frees every slot when idle).
@@ -186,6 +191,7 @@ class Scheduler:
         detokenize: Callable[[list[int]], str] | None = None,
         special_tokens: Mapping[int, str] | None = None,
         max_loras_per_batch: int = 8,
+        max_lora_rank: int = 64,
         starvation_steps: int = 64,
         enable_prefix_cache: bool = False,
         chunked_prefill_size: int = 0,
@@ -199,6 +205,9 @@ class Scheduler:
         self.detokenize = detokenize
         self.special_tokens: dict[int, str] = dict(special_tokens or {})
         self.max_loras_per_batch = max_loras_per_batch
+        self.slot_rows = lora_rows(max_lora_rank)  # rank rows of one adapter at the largest rank
+        self.lora_rows_total = max_loras_per_batch * self.slot_rows
+        self.adapter_rows: dict[str, int] = {}
         self.starvation_steps = starvation_steps
         self.pinned_uids: set[str] = set()
         # pinned loads not yet confirmed by every rank: their slot is reserved from the moment they arrive
@@ -295,15 +304,19 @@ class Scheduler:
         return bool(self.running or self.waiting)
 
     # ------------------------------------------------------------------ planning
-    def _unpinned_slots(self) -> int:
-        return self.max_loras_per_batch - len(self.pinned_uids | self.reserved_pins)
+    def _rows(self, uid: str) -> int:
+        """Rank rows adapter ``uid`` takes in the pools (a whole slot when not known)."""
+        return self.adapter_rows.get(uid, self.slot_rows)
+
+    def _unpinned_rows(self) -> int:
+        return self.lora_rows_total - sum(self._rows(u) for u in self.pinned_uids | self.reserved_pins)
 
     def can_pin(self) -> bool:
         """Whether a reserved pinned load may go to the workers now: the running requests' unpinned adapters
-        fit in the slots the pinned ones (including the reserved) leave. Loading it earlier would let it take
-        a slot the next step needs, and that step would fail."""
+        fit in the rank rows the pinned ones (including the reserved) leave. Loading it earlier would let it
+        take rows the next step needs, and that step would fail."""
         running = {r.lora_uid for r in self.running.values() if r.lora_uid and r.lora_uid not in self.pinned_uids}
-        return len(running) <= self._unpinned_slots()
+        return sum(self._rows(u) for u in running) <= self._unpinned_rows()
 
     def _insertable(self, uid: str | None) -> bool:
         """Whether KV computed under ``uid`` may enter the cache (not for an adapter being unloaded or gone)."""
@@ -326,6 +339,7 @@ class Scheduler:
 
     def _admit(self, budget: float, prefilling: list[Req]) -> list[Req]:
         adapters = {r.lora_uid for r in self.running.values() if r.lora_uid and r.lora_uid not in self.pinned_uids}
+        used_rows, free_rows = sum(self._rows(u) for u in adapters), self._unpinned_rows()
         admitted: list[Req] = []
         oldest_starving = bool(self.waiting) and self.waiting[0].waited_steps >= self.starvation_steps
         for r in list(self.waiting):
@@ -345,7 +359,7 @@ class Scheduler:
                 self.cache.lock(node)  # before eviction, so it cannot evict the prefix it is about to read
             room = self.kv.slots.num_free - self.kv.reserved
             evictable = self.cache.evictable_tokens if self.cache is not None else 0
-            fits = room + evictable >= need and not (new_adapter and len(adapters) >= self._unpinned_slots())
+            fits = room + evictable >= need and not (new_adapter and used_rows + self._rows(r.lora_uid) > free_rows)
             if not fits:
                 if node is not None:
                     self.cache.unlock(node)
@@ -357,6 +371,7 @@ class Scheduler:
             self.waiting.remove(r)
             if new_adapter:
                 adapters.add(r.lora_uid)
+                used_rows += self._rows(r.lora_uid)
             self.kv.reserve(need)
             r.reserved = need
             r.req_idx = self.rows.alloc(1)[0]

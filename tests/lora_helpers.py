@@ -214,7 +214,8 @@ def drive_pool(adapter_root: str, seed: int, steps: int, broken: bool = False) -
     folders = sorted(Path(adapter_root).iterdir())
     uids = driver_uids(seed, len(folders))
     rng = random.Random(seed + 1)
-    pool = tiny_pool(slots=DRIVER_SLOTS, policy="lru" if seed % 2 == 0 else "fifo")
+    # ranks 2-6 (4 or 8 rank rows) in 3 slots of 8 rows: evictions, gaps and compactions all happen
+    pool = tiny_pool(slots=DRIVER_SLOTS, max_rank=6, policy="lru" if seed % 2 == 0 else "fifo")
     pinned = uids[0]
     for i, (u, f) in enumerate(zip(uids, folders, strict=True)):
         pool.load(u, f"a{i}", str(f), pinned=(u == pinned))

@@ -168,26 +168,27 @@ def test_all_adapters_and_base_in_one_batch_tp1(tp1_cluster, ref):
 
 
 def test_slots_churn_mid_run_tp1_fifo(ref):
-    """Two slots for six adapters (FIFO): requests wait for slots, adapters replace each other mid-run."""
+    """Two slots of rank 64 for six adapters (FIFO): their 152 rank rows do not fit in the 128, so requests
+    wait for rows and adapters replace each other mid-run."""
     args = ["--enable-lora", "--max-loras-per-batch", "2", "--lora-eviction-policy", "fifo", *_lora_paths()]
     with launch_cluster(args) as cluster:
         _check(cluster, ref, TAGS, 16)
         with cluster.client() as c:
             held = [a["name"] for a in c.list_loras() if a["slots"]]
-        assert len(held) == 2
+        assert 2 <= len(held) < 6, held
 
 
 def test_tp2_with_pinned_adapter_and_slot_churn(ref):
-    """TP=2 (uneven KV-head split, ranks with different PYTHONHASHSEED), 3 slots, r64-all pinned (JSON form):
-    the five other adapters share the two slots left."""
-    args = ["--tp-size", "2", "--enable-lora", "--max-loras-per-batch", "3", *_lora_paths(pinned="r64-all")]
+    """TP=2 (uneven KV-head split, ranks with different PYTHONHASHSEED), 2 slots of rank 64, r64-all pinned
+    (JSON form): the five other adapters (88 rank rows) share the 64 rows left."""
+    args = ["--tp-size", "2", "--enable-lora", "--max-loras-per-batch", "2", *_lora_paths(pinned="r64-all")]
     with launch_cluster(args) as c:
         _check(c, ref, TAGS, 8)
         with c.client() as cl:
             rows = {a["name"]: a for a in cl.list_loras()}
         assert rows["r64-all"]["pinned"] and rows["r64-all"]["slots"] == {"rank 0": 0, "rank 1": 0}
         held = [a for a in rows.values() if a["slots"]]
-        assert len(held) == 3 and all(a["slots"]["rank 0"] == a["slots"]["rank 1"] for a in held)
+        assert 2 <= len(held) < 6 and all(a["slots"]["rank 0"] == a["slots"]["rank 1"] for a in held)
 
 
 def test_tp3_all_in_one_batch(ref):

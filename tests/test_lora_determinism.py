@@ -55,7 +55,8 @@ def test_pools_agree_across_hash_seeds(driver_runs):
         # the stream really exercised the pool: loads/unloads, every slot, many different tables
         assert any(x["event"].startswith("unload") for x in a) and any(x["event"].startswith("load") for x in a)
         assert len({json.dumps(x["table"], sort_keys=True) for x in a}) > 20
-        assert {s for x in a for s in x["table"].values()} == {0, 1, 2}
+        # rank rows: more adapters than the 3 slots at --max-lora-rank are resident at once
+        assert {s for x in a for s in x["table"].values()} >= {0, 1, 2, 3}
     assert [x["digest"] for x in driver_runs["2"][0]] != [x["digest"] for x in driver_runs["3"][0]]
 
 
@@ -166,7 +167,8 @@ def test_one_rank_failing_and_diverging(tmp_path):
                 c.generate("Hello", sampling_params={"max_new_tokens": 4, "temperature": 0}, lora_path="a")
         msg = e.value.message
         assert "LoRA slot tables diverged at step" in msg, msg
-        assert f"rank 0 has {{'{uid}': 0}}" in msg and f"rank 1: {{'{uid}': 1}}" in msg, msg
+        # 2 slots of rank 8 = 16 rank rows = 4 slot entries of 4 rows: the sabotaged rank takes the last one
+        assert f"rank 0 has {{'{uid}': 0}}" in msg and f"rank 1: {{'{uid}': 3}}" in msg, msg
         assert cluster.wait_exit(30) == 1  # the launcher noticed the scheduler's exit and stopped everything
         assert (
             "scheduler_proc exited with code 3 (a fatal error, see its log); stopping the cluster" in cluster.log_text()

@@ -7,7 +7,17 @@ import random
 import pytest
 import torch
 
-from gpu_worker.lora_kernel import SgmvLayerArgs, b_capacity, choose_backend, load_sgmv, pack_b, sgmv_add, unpack_b
+from gpu_worker.lora_kernel import (
+    TILE_PAD,
+    SgmvLayerArgs,
+    b_row_elems,
+    choose_backend,
+    load_sgmv,
+    pack_b,
+    sgmv_add,
+    unpack_b,
+)
+from ipc.lora_config import lora_rows
 
 
 @pytest.fixture(scope="module")
@@ -25,27 +35,41 @@ def fn(kernel_dir):
 
 
 def _case(seed: int, in_dim: int, outs: list[int], n_slots: int, max_rank: int, wdt: torch.dtype):
-    """Slot buffers in the pool's layouts (A rank-major per sub-module, B packed at each slot's rank) plus the
-    plain per-slot matrices for the reference."""
+    """Slots in the pool's arenas (A rank-major per sub-module, B packed at each slot's rank), each taking
+    ``lora_rows`` of its largest rank, placed back to back in a shuffled order (so a slot's AMX tiles read its
+    neighbour's rows), plus the plain per-slot matrices for the reference."""
     g = torch.Generator().manual_seed(seed)
     rnd = random.Random(seed)
     nmod = len(outs)
-    a = torch.zeros(n_slots, -(-max_rank * nmod // 16) * 16, in_dim, dtype=wdt)  # whole 16-row tiles, as the pool
-    bs = [torch.zeros(n_slots, b_capacity(o, max_rank), dtype=wdt) for o in outs]
     ranks = torch.zeros(n_slots, nmod, dtype=torch.int32)
+    for s in range(n_slots):
+        for k in range(nmod):
+            ranks[s, k] = (
+                rnd.choice([0, 1, 3, 8, 16, 33, max_rank]) if max_rank > 16 else rnd.choice([0, 1, 3, 8, max_rank])
+            )
+    size = [lora_rows(int(ranks[s].max())) for s in range(n_slots)]
+    order = list(range(n_slots))
+    rnd.shuffle(order)
+    start = torch.zeros(n_slots, dtype=torch.int64)
+    pos = 0
+    for s in order:
+        start[s], pos = pos, pos + size[s]
+    a = torch.zeros(pos * nmod + 16, in_dim, dtype=wdt)  # 16 rows after the arena, as the pool
+    bs = [torch.zeros(pos * b_row_elems(o) + TILE_PAD, dtype=wdt) for o in outs]
     plain = {}
     for s in range(n_slots):
+        st = int(start[s])
         for k, o in enumerate(outs):
-            r = rnd.choice([0, 1, 3, 8, 16, 33, max_rank]) if max_rank > 16 else rnd.choice([0, 1, 3, 8, max_rank])
-            ranks[s, k] = r
+            r = int(ranks[s, k])
             am = (torch.randn(r, in_dim, generator=g) * 0.1).to(wdt)
             bm = (torch.randn(r, o, generator=g) * 0.1).to(wdt)
-            a.view(n_slots, -1, in_dim)[s, : max_rank * nmod].view(max_rank, nmod, in_dim)[:r, k] = am
-            pack_b(bm.T, bs[k][s])
-            assert torch.equal(unpack_b(bs[k][s], o, r), bm)
+            a[st * nmod : (st + size[s]) * nmod].view(size[s], nmod, in_dim)[:r, k] = am
+            region = bs[k][st * b_row_elems(o) : (st + size[s]) * b_row_elems(o)]
+            pack_b(bm.T, region)
+            assert torch.equal(unpack_b(region, o, r), bm)
             plain[s, k] = (am.double(), bm.double())
     cols = [sum(outs[:k]) for k in range(nmod)]
-    return SgmvLayerArgs(a, bs, outs, ranks, cols), plain, cols
+    return SgmvLayerArgs(a, bs, outs, ranks, cols, start), plain, cols
 
 
 @pytest.mark.parametrize(

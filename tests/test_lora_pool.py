@@ -42,7 +42,7 @@ def load(pool, adapters, *names, pinned=()):
 
 
 def test_lru_evicts_least_recently_used(adapters):
-    pool = tiny_pool(slots=3, policy="lru")
+    pool = tiny_pool(slots=3, policy="lru", max_rank=4)
     load(pool, adapters, "u0", "u1", "u2", "u3", "u4")
     for u in ("u0", "u1", "u2"):
         pool.assign([u])
@@ -56,7 +56,7 @@ def test_lru_evicts_least_recently_used(adapters):
 
 
 def test_fifo_evicts_oldest_load_whatever_its_use(adapters):
-    pool = tiny_pool(slots=3, policy="fifo")
+    pool = tiny_pool(slots=3, policy="fifo", max_rank=4)
     load(pool, adapters, "u0", "u1", "u2", "u3", "u4")
     for u in ("u0", "u1", "u2"):
         pool.assign([u])
@@ -68,7 +68,7 @@ def test_fifo_evicts_oldest_load_whatever_its_use(adapters):
 
 
 def test_free_slots_are_taken_lowest_first_and_base_needs_none(adapters):
-    pool = tiny_pool(slots=3)
+    pool = tiny_pool(slots=3, max_rank=4)
     load(pool, adapters, "u0", "u1")
     assert pool.assign([None, "u1", None, "u0", "u1"]) == [-1, 1, -1, 0, 1]  # sorted: u0 then u1
     assert pool.assign([None]) == [-1]
@@ -76,7 +76,7 @@ def test_free_slots_are_taken_lowest_first_and_base_needs_none(adapters):
 
 
 def test_unload_frees_slot_and_host_tier(adapters):
-    pool = tiny_pool(slots=2)
+    pool = tiny_pool(slots=2, max_rank=4)
     load(pool, adapters, "u0", "u1")
     pool.assign(["u0", "u1"])
     n_before = len(pool.cache)
@@ -84,7 +84,7 @@ def test_unload_frees_slot_and_host_tier(adapters):
     assert pool.table() == {"u1": 1}
     assert "u0" not in pool.host and len(pool.cache) < n_before
     assert all(pool.slot_rank[0][layer][m] == 0 for layer in range(TINY.num_layers) for m in pool.targets)
-    assert all(float(pool.A[layer][m][0].abs().sum()) == 0 for layer in range(TINY.num_layers) for m in pool.targets)
+    assert all(float(pool.A[layer][m][:4].abs().sum()) == 0 for layer in range(TINY.num_layers) for m in pool.targets)
     with pytest.raises(LoraPoolError, match="uid u0 is not loaded on TP rank 0"):
         pool.assign(["u0"])
     pool.unload("u0")  # idempotent
@@ -95,7 +95,7 @@ def test_unload_frees_slot_and_host_tier(adapters):
 
 @pytest.mark.parametrize("policy", ["lru", "fifo"])
 def test_pinned_adapter_is_never_evicted(adapters, policy):
-    pool = tiny_pool(slots=3, policy=policy)
+    pool = tiny_pool(slots=3, policy=policy, max_rank=4)
     load(pool, adapters, "u0", pinned=("u0",))
     assert pool.table() == {"u0": 0}  # a pinned adapter takes its slot at load
     load(pool, adapters, "u1", "u2", "u3", "u4", "u5")
@@ -103,13 +103,13 @@ def test_pinned_adapter_is_never_evicted(adapters, policy):
         batch = [f"u{1 + step % 5}", f"u{1 + (step + 2) % 5}"]
         pool.assign(batch if step % 3 else batch + ["u0"])
         assert pool.uid_slot["u0"] == 0
-    with pytest.raises(LoraPoolError, match="pinned or in-batch"):
+    with pytest.raises(LoraPoolError, match=r"batch needs 3 adapters \(12 rank rows\) .*, 4 pinned"):
         pool.assign(["u1", "u2", "u3"])  # needs every slot but u0 is pinned
     assert pool.uid_slot["u0"] == 0
 
 
 def test_pinning_must_leave_a_free_slot(adapters):
-    pool = tiny_pool(slots=3)
+    pool = tiny_pool(slots=3, max_rank=4)
     load(pool, adapters, "u0", "u1", pinned=("u0", "u1"))
     with pytest.raises(LoraPoolError, match="pinning it would leave no free slot of 3"):
         pool.load("u2", "u2", str(adapters["u2"]), pinned=True)
@@ -117,7 +117,7 @@ def test_pinning_must_leave_a_free_slot(adapters):
 
 
 def test_adapters_of_the_batch_are_never_victims(adapters):
-    pool = tiny_pool(slots=3, policy="lru")
+    pool = tiny_pool(slots=3, policy="lru", max_rank=4)
     load(pool, adapters, "u1", "u2", "u3", "u0")
     for u in ("u1", "u2", "u3"):
         pool.assign([u])
@@ -128,19 +128,74 @@ def test_adapters_of_the_batch_are_never_victims(adapters):
 
 
 def test_batch_needing_more_than_all_slots_is_refused(adapters):
-    pool = tiny_pool(slots=3)
+    pool = tiny_pool(slots=3, max_rank=4)
     load(pool, adapters, "u0", "u1", "u2", "u3")
     pool.assign(["u0", "u1", "u2"])
-    with pytest.raises(LoraPoolError, match="batch needs 4 adapters but TP rank 0 has 3 slots"):
+    with pytest.raises(
+        LoraPoolError, match=r"batch needs 4 adapters \(16 rank rows\) but TP rank 0 has 3 slots of rank 4"
+    ):
         pool.assign(["u0", "u1", "u2", "u3"])
     assert pool.table() == {"u0": 0, "u1": 1, "u2": 2}  # nothing was evicted by the refused batch
+
+
+# ----------------------------------------------------------------------------- rank rows (unified paging)
+
+
+def test_adapters_take_rank_rows_at_their_own_rank(adapters):
+    """Two slots of rank 8 hold four rank-4 adapters in one batch (or two of rank 8); a victim's rows go to the
+    next adapter, lowest gap first."""
+    pool = tiny_pool(slots=2, max_rank=8)
+    load(pool, adapters, "u0", "u1", "u2", "u3", "u4", "full8")
+    assert pool.assign(["u3", "u2", None, "u1", "u0"]) == [3, 2, -1, 1, 0]
+    assert pool.slot_start[:4] == [0, 4, 8, 12] and pool.slot_rows[:4] == [4, 4, 4, 4]
+    with pytest.raises(LoraPoolError, match=r"batch needs 5 adapters \(20 rank rows\) but TP rank 0 has 2 slots"):
+        pool.assign(["u0", "u1", "u2", "u3", "u4"])
+    assert pool.table() == {"u0": 0, "u1": 1, "u2": 2, "u3": 3}  # the refused batch moved nothing
+    assert pool.assign(["full8", "u4"]) == [0, 1]  # full8 takes u0's and u1's rows, u4 then u2's
+    assert pool.table() == {"full8": 0, "u4": 1, "u3": 3}
+    assert (pool.slot_start[0], pool.slot_rows[0], pool.slot_start[1]) == (0, 8, 8)
+
+
+@pytest.mark.parametrize("path", ["batched", "segments", "cpu-sgmv"])
+def test_compaction_moves_slots_and_keeps_their_maths(adapters, monkeypatch, path):
+    """Rows freed in two gaps too short for an adapter are joined by moving the slots to the front (no
+    eviction); the moved slots' apply still equals a pool that never moved anything."""
+    import gpu_worker.lora_pool as lp
+
+    monkeypatch.setattr(lp.LoraBatch, "PAD_LIMIT", 1e9 if path == "batched" else -1e9)
+    backend = "cpu-sgmv" if path == "cpu-sgmv" else "torch"
+    pool = tiny_pool(slots=2, max_rank=8, backend=backend)
+    ref = tiny_pool(slots=4, max_rank=8, backend=backend)
+    load(pool, adapters, "u0", "u1", "u2", "u3", "full8")
+    load(ref, adapters, "u1", "u3", "full8")
+    pool.assign(["u0", "u1", "u2", "u3"])
+    pool.unload("u0")
+    pool.unload("u2")  # 8 rows free, as two gaps of 4
+    uids, lens = ["u3", None, "full8", "u1", "u3"], [2, 1, 3, 1, 1]
+    batch = pool.prepare(uids, lens)
+    assert pool.table() == {"full8": 0, "u1": 1, "u3": 3}  # nothing evicted
+    assert [pool.slot_start[s] for s in (1, 3, 0)] == [0, 4, 8]  # u1 and u3 moved to the front
+    want = ref.prepare(uids, lens)
+    g = torch.Generator().manual_seed(3)
+    for fused, mods in lp.FUSED.items():
+        fin = pool._local_dims(mods[0])[0]
+        width = sum(pool._local_dims(m)[1] for m in mods)
+        x = torch.randn(sum(lens), fin, generator=g)
+        for layer in range(TINY.num_layers):
+            got, exp = torch.zeros(sum(lens), width), torch.zeros(sum(lens), width)
+            batch.add(layer, fused, x, got)
+            want.add(layer, fused, x, exp)
+            torch.testing.assert_close(got, exp, atol=1e-6, rtol=1e-6)
 
 
 # ----------------------------------------------------------------------------- slot contents
 
 
 def _slot_clean_beyond(pool, s, layer, m, r):
-    return float(pool.A[layer][m][s, r:].abs().sum()) == 0 and float(pool.b_matrix(layer, m, s)[r:].abs().sum()) == 0
+    return (
+        float(pool.a_matrix(layer, m, s)[r:].abs().sum()) == 0
+        and float(pool.b_matrix(layer, m, s)[r:].abs().sum()) == 0
+    )
 
 
 @pytest.mark.parametrize("backend", ["torch", "cpu-sgmv"])
@@ -150,7 +205,7 @@ def test_takeover_by_fewer_modules_zeroes_the_rest(adapters, backend):
     pool.assign(["full8"])
     for layer in range(TINY.num_layers):
         assert all(pool.slot_rank[0][layer][m] == 8 for m in pool.targets)
-        assert float(pool.A[layer]["k_proj"][0].abs().sum()) > 0
+        assert float(pool.a_matrix(layer, "k_proj", 0).abs().sum()) > 0
     pool.assign(["qv2"])  # evicts full8 from the only slot
     for layer in range(TINY.num_layers):
         for m in pool.targets:
@@ -268,8 +323,8 @@ def test_tp_shards_of_a_pool_add_up_to_the_whole(adapters):
         parts.append(p)
     for m in whole.targets:
         if m in ("o_proj", "down_proj"):
-            cat_a = torch.cat([p.A[1][m][0] for p in parts], dim=1)
-            torch.testing.assert_close(cat_a, whole.A[1][m][0])
+            cat_a = torch.cat([p.a_matrix(1, m, 0) for p in parts], dim=1)
+            torch.testing.assert_close(cat_a, whole.a_matrix(1, m, 0))
             for p in parts:
                 torch.testing.assert_close(p.b_matrix(1, m, 0), whole.b_matrix(1, m, 0))
         else:

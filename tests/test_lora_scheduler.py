@@ -74,6 +74,27 @@ def test_batches_never_hold_more_adapters_than_slots_and_everyone_runs():
     assert sorted(done) == sorted(rids)
 
 
+def test_adapters_count_their_rank_rows_not_whole_slots():
+    """Two slots at rank 16 (32 rank rows) admit four rank-8 adapters at once, then one of rank 8 with one of
+    rank 16; an adapter whose rows are unknown counts a whole slot."""
+    s = Scheduler(
+        max_running=64, kv_capacity=100_000, context_len=4096, eos_ids=[2], max_loras_per_batch=2, max_lora_rank=16
+    )
+    s.adapter_rows = {"a": 8, "b": 8, "c": 8, "d": 8, "e": 8, "big": 16, "big2": 16}
+    for uid in ["a", "b", "c", "d", "e", "big", "big2", "x"]:
+        add(s, uid, new_tokens=2)
+    reqs, _ = step(s)
+    assert adapters_of(reqs)[0] == {"a", "b", "c", "d"}
+    seen = []
+    while s.has_work:
+        reqs, _ = step(s)
+        distinct = adapters_of(reqs)[0]
+        assert sum(s._rows(u) for u in distinct) <= 32, distinct
+        seen.append(distinct)
+    assert {"e", "big"} in seen  # 8 + 16 rows; big2 would make 40
+    assert {"big2", "x"} in seen  # 16 + a whole slot (16)
+
+
 def test_plan_groups_each_adapter_contiguously():
     s = make_sched(slots=4)
     for uid in ["b", None, "a", "b", None, "a"]:
@@ -172,7 +193,7 @@ def test_load_is_all_or_nothing_and_names_failing_ranks():
 def _pin_harness(tmp_path):
     """A scheduler with 2 slots running "a" (3 tokens) and "b" (5 tokens), and a tiny pool holding a, b, c."""
     s = make_sched(slots=2)
-    pool = tiny_pool(slots=2)
+    pool = tiny_pool(slots=2, max_rank=4)  # each adapter (rank 4) takes a whole slot's rank rows
     for u in ("a", "b", "c", "p"):
         write_adapter(tmp_path / u, seed=ord(u))
     for u in ("a", "b", "c"):
@@ -195,7 +216,7 @@ def test_pinning_while_running_adapters_fill_the_slots_would_break_the_next_step
     s, pool = _pin_harness(tmp_path)
     _pool_step(s, pool)
     pool.load("p", "p", str(tmp_path / "p"), pinned=True)
-    with pytest.raises(LoraPoolError, match="hold pinned or in-batch adapters"):
+    with pytest.raises(LoraPoolError, match=r"batch needs 2 adapters \(8 rank rows\) .*, 4 pinned"):
         _pool_step(s, pool)
 
 
@@ -228,7 +249,8 @@ def test_pinned_load_waits_until_running_adapters_fit(tmp_path):
 
 def test_zipf_traffic_rows_are_bounded_by_slots_not_by_concurrency():
     """bench/admission_sim.py's model: 32 requests in flight over 1,000 Zipf adapters name ~25 distinct ones,
-    so 8 slots run far fewer than 32 rows while 32 slots run them all; 8 adapters always run all 32."""
+    so 8 whole slots run far fewer than 32 rows while 32 slots run them all; 8 adapters always run all 32.
+    Counted in rank rows, 8 slots hold more adapters of ranks 8-16, and at rank 64 all of them."""
     import argparse
     import sys
     from pathlib import Path
@@ -238,10 +260,14 @@ def test_zipf_traffic_rows_are_bounded_by_slots_not_by_concurrency():
 
     a = argparse.Namespace(
         requests=96, concurrency=32, new_tokens=16, prompt_tokens=8, zipf_alpha=1.0, starvation_steps=64,
-        step_base_ms=24.0, step_row_ms=1.0,
+        step_base_ms=24.0, step_row_ms=1.0, ranks="8,12,16",
     )  # fmt: skip
     _, rows_few, _ = simulate(a, 8, 8)
     _, rows_many8, in_flight = simulate(a, 1000, 8)
     _, rows_many32, _ = simulate(a, 1000, 32)
     assert rows_few == 32.0 and rows_many32 == 32.0
     assert in_flight > 16 and rows_many8 < 16, (rows_many8, in_flight)
+    # rank rows: the same 8 slots at rank 16 hold more of these rank 8-16 adapters, at rank 64 all in flight
+    _, rows_rank16, _ = simulate(a, 1000, 8, 16)
+    _, rows_rank64, _ = simulate(a, 1000, 8, 64)
+    assert rows_many8 < rows_rank16 < 32.0 and rows_rank64 == 32.0, (rows_many8, rows_rank16)

@@ -338,6 +338,9 @@ DEFINE_AXPYBF(4)
 DEFINE_AXPYBF(8)
 #endif
 
+/* elements of B per rank row of the arena: one rank of every column block */
+static inline int64_t bstep(int64_t out_k) { return (out_k + BC - 1) / BC * BC; }
+
 /* elements of one column block of B at rank r (bf16: whole rank pairs) */
 static inline int64_t blk_elems(int64_t r, int w_bf16) { return (w_bf16 ? (r + 1) / 2 * 2 : r) * BC; }
 
@@ -427,20 +430,24 @@ static void expand_amx(const uint16_t* ut, int64_t r, const uint16_t* b, int nt,
 /* Returns 0, or -1 when in_dim is over the kernel's row buffers (the caller then uses its torch path).
  * tok: the LoRA tokens' rows of x/out, grouped by slot; seg: nseg x (slot, p0, p1), positions into tok.
  * ranks: [slots, nmod] int32 of this layer (0 = the slot has no weights there).
- * A: [slots, a_rows, in_dim], row j * nmod + k = rank j of sub-module k (a_rows >= max_rank * nmod; AMX needs whole
- * 16-row tiles). B[k]: slot s at B[k] + s * b_slot_stride[k], packed at its rank r = ranks[s][k] in column blocks of
- * 32 (zero past out_k[k]): fp32 [blocks][r][32], bf16 [blocks][ceil(r / 2)][32][2], followed by a zero pad.
- * u: fp32 scratch [len(tok) + 8][u_stride >= a_rows], module-major rows, rows past len(tok) zero. */
+ * Slots are entries of one arena per buffer, placed by their first rank row start[s] (S-LoRA's unified paging:
+ * an adapter takes rank rows at its own rank, not at the largest one):
+ * A: rows [start[s] * nmod, ...) of an [arena_rows, in_dim] buffer, row j * nmod + k = rank j of sub-module k;
+ * a_padded says 16 rows exist past every entry's last row (AMX's whole tiles read them and discard the result).
+ * B[k]: slot s at B[k] + start[s] * ceil(out_k[k] / 32) * 32 elements, packed at its rank r = ranks[s][k] in column
+ * blocks of 32 (zero past out_k[k]): fp32 [blocks][r][32], bf16 [blocks][ceil(r / 2)][32][2] (start[s] even),
+ * the arena followed by a zero pad.
+ * u: fp32 scratch [len(tok) + 8][u_stride >= largest rank * nmod], module-major rows, rows past len(tok) zero. */
 int loom_lora_sgmv(int64_t in_dim, const void* x, int x_bf16, void* out, int64_t out_stride, int out_bf16,
-                   const int64_t* tok, int64_t nseg, const int64_t* seg, const void* A, int64_t a_slot_stride,
-                   int w_bf16, int64_t nmod, const int32_t* ranks, const void* const* B, const int64_t* b_slot_stride,
+                   const int64_t* tok, int64_t nseg, const int64_t* seg, const void* A, const int64_t* start,
+                   int a_padded, int w_bf16, int64_t nmod, const int32_t* ranks, const void* const* B,
                    const int64_t* out_k, const int64_t* col_k, float* u, int64_t u_stride) {
     if (in_dim > MAXIN) return -1;
     const int64_t esz = w_bf16 ? 2 : 4;
     const int bf16dot = HAVE_BF16_DOT && x_bf16 && w_bf16;
 #if HAVE_AMX
     /* AMX for the shrink when A's buffer has whole 16-row tiles (the pool pads it) and inputs are 32-aligned */
-    const int amx = bf16dot && in_dim % 32 == 0 && a_slot_stride % (16 * in_dim) == 0 && amx_enable();
+    const int amx = bf16dot && in_dim % 32 == 0 && a_padded && amx_enable();
 #endif
 #ifdef _OPENMP
 #pragma omp parallel
@@ -466,7 +473,7 @@ int loom_lora_sgmv(int64_t in_dim, const void* x, int x_bf16, void* out, int64_t
                 int64_t pa = p0 + rest / nj * TBA, jb = rest % nj * 16;
                 int nt = (int)((p1 - pa) < TBA ? (p1 - pa) : TBA);
                 if (pa != xf_p0 || nt != xf_nt) load_xv(x, in_dim, tok + pa, nt, (uint32_t*)xf), xf_p0 = pa, xf_nt = nt;
-                const uint16_t* a = (const uint16_t*)A + s * a_slot_stride;
+                const uint16_t* a = (const uint16_t*)A + start[s] * nmod * in_dim;
                 shrink_amx((const uint32_t*)xf, nt, a, in_dim, jb, jb + 16 < rows ? jb + 16 : rows, u, u_stride, pa, nmod);
             }
         } else
@@ -477,7 +484,7 @@ int loom_lora_sgmv(int64_t in_dim, const void* x, int x_bf16, void* out, int64_t
                 int64_t s = seg[3 * g], p0 = seg[3 * g + 1], p1 = seg[3 * g + 2], rmax = seg_rmax(s, ranks, nmod);
                 if (!rmax) continue;
                 int64_t rows = rmax * nmod, nj = (rows + JB - 1) / JB, ntb = (p1 - p0 + TB - 1) / TB;
-                const char* a = (const char*)A + s * a_slot_stride * esz;
+                const char* a = (const char*)A + start[s] * nmod * in_dim * esz;
 #ifdef _OPENMP
 #pragma omp for schedule(static) nowait
 #endif
@@ -520,7 +527,7 @@ int loom_lora_sgmv(int64_t in_dim, const void* x, int x_bf16, void* out, int64_t
                 int64_t r = ranks[s * nmod + k], nct = (out_k[k] + 15) / 16;
                 int64_t pa = p0 + rest / nct * TBA, ct = rest % nct;
                 int nt = (int)((p1 - pa) < TBA ? (p1 - pa) : TBA);
-                const uint16_t* b = (const uint16_t*)B[k] + s * b_slot_stride[k] + (ct / 2) * blk_elems(r, 1) + ct % 2 * VW * 2;
+                const uint16_t* b = (const uint16_t*)B[k] + start[s] * bstep(out_k[k]) + (ct / 2) * blk_elems(r, 1) + ct % 2 * VW * 2;
                 if (g != ut_g || k != ut_k || pa != ut_p) {
                     build_ut(u + pa * u_stride + k * (u_stride / nmod), u_stride, r, nt, (uint16_t*)xf);
                     ut_g = g, ut_k = k, ut_p = pa;
@@ -540,7 +547,7 @@ int loom_lora_sgmv(int64_t in_dim, const void* x, int x_bf16, void* out, int64_t
                     int64_t r = ranks[s * nmod + k];
                     if (!r) continue;
                     int64_t nc = (out_k[k] + BC - 1) / BC;
-                    const char* b = (const char*)B[k] + s * b_slot_stride[k] * esz;
+                    const char* b = (const char*)B[k] + start[s] * bstep(out_k[k]) * esz;
 #ifdef _OPENMP
 #pragma omp for schedule(static) nowait
 #endif
