@@ -463,9 +463,9 @@ class LoraBatch:
       are gathered into a padded ``[n, Tmax, in]`` block, their A rows out of the arena into ``[n, r * M, in]``
       (rows past a slot's size read the zero rows after the arena), and one ``bmm`` shrinks all slots through
       the stacked A of every targeted sub-module; one ``bmm`` per sub-module expands at the batch's largest
-      rank for it into a padded delta block, and one ``index_select`` hands every token its row back. The op count no longer
-      grows with the number of adapters (on CPU a small GEMM costs tens of microseconds of fixed overhead,
-      which dominated mixed batches).
+      rank for it into a padded delta block, and one ``index_select`` hands every token its row back. The op
+      count no longer grows with the number of adapters (on CPU a small GEMM costs tens of microseconds of
+      fixed overhead, which dominated mixed batches).
     - **Per segment** (a long prefill next to short segments would make the padding costly): per segment and
       fused projection, one shrink GEMM over the stacked A, then one ``addmm_`` per sub-module straight into
       the output columns at the adapter's own rank (Punica's SGMV idea, arXiv 2310.18547).
