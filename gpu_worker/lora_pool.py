@@ -17,6 +17,7 @@ import hashlib
 import json
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -35,7 +36,14 @@ from gpu_worker.lora_weights import module_dims, read_adapter, shard_range
 from gpu_worker.timing import best_time
 from gpu_worker.tp_plan import ShardPlan
 from ipc.config import ServerArgs
-from ipc.lora_config import LLAMA_LORA_MODULES, LORA_RANK_UNIT, adapter_content_hash, lora_rows, read_adapter_config
+from ipc.lora_config import (
+    LLAMA_LORA_MODULES,
+    LORA_RANK_UNIT,
+    WEIGHTS_FILE,
+    adapter_content_hash,
+    lora_rows,
+    read_adapter_config,
+)
 from ipc.messages import AdapterState
 from ipc.model_config import ModelConfig
 from ipc.model_source import cache_root
@@ -129,24 +137,35 @@ class LoraPool:
         # slot holds rank j of sub-module k (M sub-modules), so one GEMM over the first r*M rows shrinks all of
         # them at the batch's rank r, not at --max-lora-rank
         self.fused_targets = {f: [m for m in mods if m in self.targets] for f, mods in FUSED.items()}
+        # one tensor per fused projection (A) and module (B) holds every layer's arena, so moving or zeroing
+        # a slot's rows is one op per buffer, not one per layer; the per-layer lists hold views of them
+        self.A_all: dict[str, torch.Tensor] = {}
+        self.B_all: dict[str, torch.Tensor] = {}
+        for f, mods in self.fused_targets.items():
+            if not mods:
+                continue
+            # 16 zero rows after each arena: AMX's 16-row shrink tiles may read past the last slot, and the
+            # torch path's gathers read them for padding
+            self.A_all[f] = torch.zeros(
+                cfg.num_layers, self.capacity * len(mods) + 16, self._local_dims(mods[0])[0],
+                dtype=self.slot_dtype, device=device,
+            )  # fmt: skip
+            for m in mods:
+                shape = (cfg.num_layers, *self._b_shape(self._local_dims(m)[1]))
+                self.B_all[m] = torch.zeros(shape, dtype=self.slot_dtype, device=device)
         self.A_fused: list[dict[str, torch.Tensor]] = []
         self.A: list[dict[str, torch.Tensor]] = []  # views of A_fused: [capacity, in_local] per module
         self.B: list[dict[str, torch.Tensor]] = []
-        for _ in range(cfg.num_layers):
+        for layer in range(cfg.num_layers):
             af_l, a_l, b_l = {}, {}, {}
             for f, mods in self.fused_targets.items():
                 if not mods:
                     continue
-                fin = self._local_dims(mods[0])[0]
-                rows = self.capacity * len(mods)
-                # 16 zero rows after the arena: AMX's 16-row shrink tiles may read past the last slot, and the
-                # torch path's gathers read them for padding
-                af = torch.zeros(rows + 16, fin, dtype=self.slot_dtype, device=device)
-                af_l[f] = af
-                per_rank = af[:rows].view(self.capacity, len(mods), fin)
+                af_l[f] = af = self.A_all[f][layer]
+                per_rank = af[: self.capacity * len(mods)].view(self.capacity, len(mods), -1)
                 for k, m in enumerate(mods):
                     a_l[m] = per_rank[:, k]  # [capacity, in] (strided view)
-                    b_l[m] = torch.zeros(self._b_shape(self._local_dims(m)[1]), dtype=self.slot_dtype, device=device)
+                    b_l[m] = self.B_all[m][layer]
             self.A_fused.append(af_l)
             self.A.append(a_l)
             self.B.append(b_l)
@@ -220,11 +239,6 @@ class LoraPool:
             col += self.local_dims[m][1]
         return cols
 
-    def _set_rank(self, s: int, layer: int, m: str, r: int) -> None:
-        self.slot_rank[s][layer][m] = r
-        f = MODULE_FUSED[m]
-        self.rank_tab[f][layer, s, self.fused_targets[f].index(m)] = r
-
     def _local_dims(self, module: str) -> tuple[int, int]:
         fin, fout = module_dims(self.cfg, module)
         lo, hi = shard_range(self.cfg, self.plan, module)
@@ -257,14 +271,18 @@ class LoraPool:
         """
         if uid in self.host:
             return self.host[uid].content_hash
-        content_hash = adapter_content_hash(path, name)
+        try:  # read once: the hash covers the very bytes the weights are loaded from
+            data: bytes | None = (Path(path) / WEIGHTS_FILE).read_bytes()
+        except OSError:
+            data = None  # adapter_content_hash names the problem
+        content_hash = adapter_content_hash(path, name, data)
         if expect_hash and content_hash != expect_hash:
             raise LoraPoolError(
                 f"LoRA adapter {name}: the files in {path} changed since it was first loaded "
                 f"(sha256 {content_hash[:12]}… != {expect_hash[:12]}…)"
             )
         acfg = read_adapter_config(path, name, tie_word_embeddings=self.cfg.tie_word_embeddings)
-        weights = read_adapter(path, name, acfg, self.cfg, self.plan, self.max_rank, self.dtype)
+        weights = read_adapter(path, name, acfg, self.cfg, self.plan, self.max_rank, self.dtype, data)
         extra = sorted({m for (_, m) in weights} - set(self.targets))
         if extra:
             raise LoraPoolError(f"LoRA adapter {name} targets {extra}, outside --lora-target-modules {self.targets}")
@@ -303,20 +321,35 @@ class LoraPool:
     def _pinned_rows(self) -> int:
         return sum(a.rows for a in self.host.values() if a.pinned)
 
+    def _rows_all(self, start: int, n: int) -> list[torch.Tensor]:
+        """Rank rows ``start .. start + n`` of every buffer, all layers at once (views)."""
+        out = []
+        for f, a in self.A_all.items():
+            nmod = len(self.fused_targets[f])
+            out.append(a[:, start * nmod : (start + n) * nmod])
+        for m, b in self.B_all.items():
+            e = 1 if self.sgmv is None else b_row_elems(self.local_dims[m][1])
+            out.append(b[:, start * e : (start + n) * e])
+        return out
+
     def _zero_region(self, start: int, n: int) -> None:
         """Zero rank rows ``start .. start + n`` of every arena."""
+        for v in self._rows_all(start, n):
+            v.zero_()
+
+    def _set_ranks(self, s: int, ranks: dict[tuple[int, str], int]) -> None:
+        """Slot ``s`` holds rank ``ranks[(layer, module)]`` (0 where missing) in every layer and target module."""
         for layer in range(self.cfg.num_layers):
             for m in self.targets:
-                self.A[layer][m][start : start + n].zero_()
-                self._b_region(layer, m, start, n).zero_()
+                self.slot_rank[s][layer][m] = ranks.get((layer, m), 0)
+        for f, tab in self.rank_tab.items():  # one tensor write per projection, not one per (layer, module)
+            rows = [[ranks.get((layer, m), 0) for m in self.fused_targets[f]] for layer in range(self.cfg.num_layers)]
+            tab[:, s] = torch.tensor(rows, dtype=torch.int32)
 
     def _clear_slot(self, s: int) -> None:
         """Empty slot ``s``: its rows are zeroed and it holds no ranks."""
         self._zero_region(self.slot_start[s], self.slot_rows[s])
-        for layer in range(self.cfg.num_layers):
-            for m in self.targets:
-                if self.slot_rank[s][layer][m]:
-                    self._set_rank(s, layer, m, 0)
+        self._set_ranks(s, {})
         self.slot_uid[s] = None
         self.slot_start[s] = self.slot_rows[s] = 0
         self.start_tab[s] = 0
@@ -327,21 +360,17 @@ class LoraPool:
         tp = (self.plan.rank, self.plan.tp_size)
         nb = self.device.type == "cuda"
         start = self.slot_start[s]
-        for layer in range(self.cfg.num_layers):
-            for m in self.targets:
-                r = ad.ranks.get((layer, m), 0)
-                self._set_rank(s, layer, m, r)
-                if r == 0:
-                    continue
-                fin, fout = self._local_dims(m)
-                a = self.cache.get(CacheKey(uid, layer, m, "A", *tp), (r, fin), self.dtype)
-                b = self.cache.get(CacheKey(uid, layer, m, "B", *tp), (fout, r), self.dtype)
-                self.A[layer][m][start : start + r].copy_(a, non_blocking=nb)
-                dst = self._b_region(layer, m, start, self.slot_rows[s])
-                if self.sgmv is None:
-                    dst[:r].copy_(b.T, non_blocking=nb)
-                else:  # packed at rank r (see _b_shape)
-                    pack_b(b, dst)
+        self._set_ranks(s, ad.ranks)
+        for (layer, m), r in sorted(ad.ranks.items()):
+            fin, fout = self._local_dims(m)
+            a = self.cache.get(CacheKey(uid, layer, m, "A", *tp), (r, fin), self.dtype)
+            b = self.cache.get(CacheKey(uid, layer, m, "B", *tp), (fout, r), self.dtype)
+            self.A[layer][m][start : start + r].copy_(a, non_blocking=nb)
+            dst = self._b_region(layer, m, start, self.slot_rows[s])
+            if self.sgmv is None:
+                dst[:r].copy_(b.T, non_blocking=nb)
+            else:  # packed at rank r (see _b_shape)
+                pack_b(b, dst)
 
     def _gap(self, need: int) -> int | None:
         """First rank row of the lowest gap of ``need`` free rows, or None."""
@@ -358,10 +387,8 @@ class LoraPool:
         for st, s in sorted((self.slot_start[s], s) for s in self.uid_slot.values()):
             n = self.slot_rows[s]
             if st != pos:
-                for layer in range(self.cfg.num_layers):
-                    for m in self.targets:
-                        self.A[layer][m][pos : pos + n] = self.A[layer][m][st : st + n].clone()
-                        self._b_region(layer, m, pos, n).copy_(self._b_region(layer, m, st, n).clone())
+                for dst, src in zip(self._rows_all(pos, n), self._rows_all(st, n), strict=True):
+                    dst.copy_(src.clone())  # the two ranges may overlap
                 self.slot_start[s] = pos
                 self.start_tab[s] = pos
             pos += n

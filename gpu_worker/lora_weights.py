@@ -10,8 +10,8 @@ import math
 import re
 from pathlib import Path
 
+import safetensors.torch
 import torch
-from safetensors import safe_open
 
 from gpu_worker.tp_plan import ShardPlan
 from ipc.lora_config import LLAMA_LORA_MODULES, WEIGHTS_FILE, LoraAdapterConfig, vocab_refusal
@@ -69,8 +69,13 @@ def read_adapter(
     plan: ShardPlan,
     max_rank: int,
     dtype: torch.dtype,
+    data: bytes | None = None,
 ) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
     """Return ``{(layer, module): (A, B)}`` for this rank, CPU tensors in ``dtype``.
+
+    ``data`` is the weights file's content when the caller read it already (to hash the same bytes it loads);
+    otherwise the file is read here. Tensors are deserialised from those bytes in one call (never mapped: a
+    file rewritten while Loom serves cannot change or SIGBUS it).
 
     ``A`` is ``[r, in_local]`` and ``B`` ``[out_local, r]`` with the module's scaling folded into ``B``.
     Column layers (q/k/v/gate/up) keep A whole and split B by output rows (q/k/v by the same KV-group split
@@ -88,8 +93,8 @@ def read_adapter(
     if path.stat().st_size == 0:
         raise LoraWeightsError(f"LoRA adapter {name}: {path} is empty (0 bytes)")
     try:
-        handle = safe_open(str(path), framework="pt")
-        keys = list(handle.keys())
+        tensors = safetensors.torch.load(path.read_bytes() if data is None else data)
+        keys = list(tensors)
     except Exception as e:  # noqa: BLE001 - safetensors raises several types for corrupt files
         raise LoraWeightsError(f"LoRA adapter {name}: {path} is not a readable safetensors file: {e}") from None
     found: dict[tuple[int, str], dict[str, str]] = {}
@@ -116,18 +121,13 @@ def read_adapter(
     if not found:
         raise LoraWeightsError(f"LoRA adapter {name}: {path.name} holds no LoRA weights")
     out: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
+    sums: list[torch.Tensor] = []
+    names: list[str] = []
     for (layer, module), ab in sorted(found.items()):
         if set(ab) != {"A", "B"}:
             missing = "B" if "A" in ab else "A"
             raise LoraWeightsError(f"LoRA adapter {name}: layer {layer} {module} has no lora_{missing} weight")
-        try:
-            # clone: safetensors maps the file, and a file rewritten while we serve would change (or SIGBUS) us
-            a = handle.get_tensor(ab["A"]).clone()
-            b = handle.get_tensor(ab["B"]).clone()
-        except Exception as e:  # noqa: BLE001
-            raise LoraWeightsError(
-                f"LoRA adapter {name}: cannot read {ab['A']}/{ab['B']} from {path.name}: {e}"
-            ) from None
+        a, b = tensors[ab["A"]], tensors[ab["B"]]
         for key, t in ((ab["A"], a), (ab["B"], b)):
             if not t.dtype.is_floating_point:
                 raise LoraWeightsError(
@@ -159,10 +159,8 @@ def read_adapter(
             )
         if r > max_rank:
             raise LoraWeightsError(f"LoRA adapter {name}: tensor {ab['A']} has rank {r} > --max-lora-rank {max_rank}")
-        a, b = a.float(), b.float()
-        # one reduction per tensor: a NaN/Inf anywhere (or an overflowing magnitude) makes the sum non-finite
-        if not (math.isfinite(float(a.sum())) and math.isfinite(float(b.sum()))):
-            raise LoraWeightsError(f"LoRA adapter {name}: {ab['A']} or {ab['B']} holds NaN or Inf")
+        sums.append(a.sum(dtype=torch.float32) + b.sum(dtype=torch.float32))
+        names.append(f"{ab['A']} or {ab['B']}")
         scale = acfg.scaling_for(mpath)
         if not math.isfinite(scale):
             raise LoraWeightsError(f"LoRA adapter {name}: scaling for {mpath} is not finite")
@@ -171,5 +169,11 @@ def read_adapter(
             a_loc, b_loc = a, b[lo:hi]
         else:
             a_loc, b_loc = a[:, lo:hi], b
-        out[(layer, module)] = (a_loc.to(dtype).contiguous(), (b_loc * scale).to(dtype).contiguous())
+        out[(layer, module)] = (a_loc.to(dtype).contiguous(), (b_loc.float() * scale).to(dtype).contiguous())
+    # one reduction per tensor pair: a NaN/Inf anywhere (or an overflowing magnitude) makes the sum non-finite;
+    # checked once for all of them (one sync, not one per tensor)
+    finite = torch.stack(sums).isfinite()
+    if not bool(finite.all()):
+        bad = names[int((~finite).nonzero()[0])]
+        raise LoraWeightsError(f"LoRA adapter {name}: {bad} holds NaN or Inf")
     return out

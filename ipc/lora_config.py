@@ -249,11 +249,12 @@ def read_adapter_config(folder: str | Path, name: str, *, tie_word_embeddings: b
     )
 
 
-def adapter_content_hash(folder: str | Path, name: str) -> str:
+def adapter_content_hash(folder: str | Path, name: str, weights: bytes | None = None) -> str:
     """sha256 (hex) of an adapter's ``adapter_config.json`` and ``adapter_model.safetensors`` bytes.
 
     Recorded at an adapter's first load, so that a restore after a worker restart can tell whether the folder
-    still holds the same adapter (same uid, same weights) or was changed or removed since.
+    still holds the same adapter (same uid, same weights) or was changed or removed since. ``weights``: the
+    weights file's content, when the caller read it already (so the hash covers the very bytes it loads).
 
     Raises:
         LoraConfigError: a file is missing or unreadable (naming the adapter and the file).
@@ -261,9 +262,12 @@ def adapter_content_hash(folder: str | Path, name: str) -> str:
     h = hashlib.sha256()
     for fname in (CONFIG_FILE, WEIGHTS_FILE):
         path = Path(folder) / fname
+        h.update(fname.encode() + b"\0")
+        if fname == WEIGHTS_FILE and weights is not None:
+            h.update(weights)
+            continue
         try:
             with path.open("rb") as f:
-                h.update(fname.encode() + b"\0")
                 for block in iter(lambda f=f: f.read(1 << 20), b""):
                     h.update(block)
         except OSError as e:
