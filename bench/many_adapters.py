@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import random
 import re
 import sys
@@ -148,23 +149,29 @@ def probe(client, lora: str | None, ids: list[int]) -> float:
 def load_probes(client, names: list[str], samples: int, vocab: int) -> dict[str, list[float]]:
     """TTFT of 1-token requests: base, hot (in a slot), warm (host tier only), cold (ref cache only); and the
     warm and cold cost, each paired with the same adapter's request right after (hot by then)."""
-    ids = random_prompt_ids(16, vocab, 7)
+    seeds = itertools.count(7)
+
+    def ids() -> list[int]:
+        """A new prompt for every probe: a repeated one would hit the prefix cache and make the second of a
+        pair look faster for that reason alone."""
+        return random_prompt_ids(16, vocab, next(seeds))
+
     out: dict[str, list[float]] = {k: [] for k in ("base", "hot", "warm", "cold", "warm cost", "cold cost")}
     rng = random.Random(1)
-    probe(client, None, ids)  # warm-up
+    probe(client, None, ids())  # warm-up
     for _ in range(samples):
-        out["base"].append(probe(client, None, ids))
+        out["base"].append(probe(client, None, ids()))
         resident = {r["name"]: r for r in client.list_loras()}
         in_slot = sorted(n for n, r in resident.items() if r["slots"])
         no_slot = sorted(n for n, r in resident.items() if not r["slots"])
         evicted = sorted(set(names) - set(resident))
         if in_slot:
-            out["hot"].append(probe(client, rng.choice(in_slot), ids))
+            out["hot"].append(probe(client, rng.choice(in_slot), ids()))
         for kind, pool in (("warm", no_slot), ("cold", evicted)):
             if pool:
                 name = rng.choice(pool)
-                t = probe(client, name, ids)
-                again = probe(client, name, ids)
+                t = probe(client, name, ids())
+                again = probe(client, name, ids())
                 out[kind].append(t)
                 out["hot"].append(again)
                 out[f"{kind} cost"].append(t - again)
