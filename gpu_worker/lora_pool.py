@@ -74,11 +74,10 @@ class HostAdapter:
     ranks: dict[tuple[int, str], int]
     content_hash: str = ""
     path: str = ""
+    rows: int = 0  # rank rows it takes in a slot (:func:`lora_rows` of its largest rank)
 
-    @property
-    def rows(self) -> int:
-        """Rank rows it takes in a slot (:func:`lora_rows` of its largest rank)."""
-        return lora_rows(max(self.ranks.values(), default=0))
+    def __post_init__(self) -> None:
+        self.rows = lora_rows(max(self.ranks.values(), default=0))
 
 
 class LoraPool:

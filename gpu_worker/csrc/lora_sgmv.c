@@ -23,7 +23,7 @@
 #define JB 16  /* shrink rows per work item */
 #define MAXIN 4096
 #define MAXRANK 256 /* the vdpbf16ps expand's largest rank (larger ranks take the fp32 expand) */
-#define SPF 2304 /* bytes of A prefetched ahead (across rows: the hardware prefetcher stops at 4 KiB pages) */
+#define SPF 8192 /* bytes of A prefetched ahead, into L2 (across rows: the hardware prefetcher stops at 4 KiB pages) */
 
 /* x rows tok[0..nt) as fp32 into xf [TB][in_dim], rows nt.. zero */
 static void load_x(const void* x, int x_bf16, int64_t in_dim, const int64_t* tok, int nt, float* xf) {
@@ -74,7 +74,7 @@ DEFINE_DOT(8)
         for (int t = 0; t < NT; t++) acc[t] = _mm512_setzero_ps();                                              \
         int64_t i = 0;                                                                                          \
         for (; i + 32 <= in_dim; i += 32) {                                                                     \
-            __builtin_prefetch((const char*)(w + i) + SPF);                                                     \
+            __builtin_prefetch((const char*)(w + i) + SPF, 0, 2);                                                     \
             __m512bh wv = (__m512bh)_mm512_loadu_si512(w + i);                                                  \
             for (int t = 0; t < NT; t++)                                                                        \
                 acc[t] = _mm512_dpbf16_ps(acc[t], (__m512bh)_mm512_loadu_si512(xh + t * in_dim + i), wv);      \
@@ -227,7 +227,7 @@ static void shrink_block(const float* xf, int nt, const void* a, int w_bf16, int
 }
 
 #define BC (2 * VW) /* columns per block of B */
-#define PF 16 /* rows of a B block prefetched ahead (may run past the block: prefetches never fault) */
+#define PF 64 /* rank pairs of a B block prefetched ahead, into L2 (may run past the block: prefetches never fault) */
 
 /* out[off .. off+ow) += (lo|hi)[..ow) in out's dtype */
 static inline void store_add(void* out, int64_t off, int out_bf16, v16 lo, v16 hi, int64_t ow) {
@@ -296,37 +296,55 @@ DEFINE_AXPY(4)
 DEFINE_AXPY(8)
 
 #if HAVE_BF16_DOT
-/* axpy##NT for bf16 B on vdpbf16ps (CPUs with AVX512-BF16 but no AMX): B's rank pairs are already the pair layout
- * the instruction reads, and each token's u[:r] is rounded to bf16 pairs once per call (as the AMX expand rounds
- * its u tiles), so one instruction does a rank pair for 16 columns: half the instructions of fp32 FMAs on
- * converted B, and no conversion of B. */
+/* The expand of bf16 B on vdpbf16ps (CPUs with AVX512-BF16 but no AMX): B's rank pairs are already the pair layout
+ * the instruction reads, and each token's u[:r] is rounded to bf16 pairs once per (segment, sub-module, token block)
+ * by u_to_bf16 (as the AMX expand rounds its u tiles), so one instruction does a rank pair for 16 columns: half the
+ * instructions of fp32 FMAs on converted B, and no conversion of B. */
+#define UBW (MAXRANK + 32) /* bf16 values per token row of ub */
+
+/* ub[t][0 .. r rounded up to 32) = u[t, :r] as bf16 (zero past r) for t < nt (rows u_stride apart) */
+static void u_to_bf16(const float* uk, int64_t u_stride, int64_t r, int nt, uint16_t* ub) {
+    for (int t = 0; t < nt; t++)
+        for (int64_t j0 = 0; j0 < r; j0 += 32) {
+            __mmask16 m0 = (__mmask16)(r - j0 >= 16 ? 0xffff : (1u << (r - j0)) - 1);
+            __mmask16 m1 = (__mmask16)(r - j0 >= 32 ? 0xffff : r - j0 <= 16 ? 0 : (1u << (r - j0 - 16)) - 1);
+            __m512bh h = _mm512_cvtne2ps_pbh(_mm512_maskz_loadu_ps(m1, uk + t * u_stride + j0 + 16),
+                                             _mm512_maskz_loadu_ps(m0, uk + t * u_stride + j0));
+            memcpy(ub + t * UBW + j0, &h, 64);
+        }
+}
+
+/* o[0..32) += lo|hi, o bf16 (vcvtneps2bf16: round to nearest even, as sth) */
+static inline void add_bf16_32(uint16_t* o, __m512 lo, __m512 hi) {
+    __m512 a = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const void*)o)), 16));
+    __m512 b = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const void*)(o + VW))), 16));
+    __m256bh ha = _mm512_cvtneps_pbh(_mm512_add_ps(a, lo)), hb = _mm512_cvtneps_pbh(_mm512_add_ps(b, hi));
+    memcpy(o, &ha, 32), memcpy(o + VW, &hb, 32);
+}
+
+/* out[offs[t] ..) += ub[t][:r] @ blk for NT tokens (rows past nt computed, never stored) */
 #define DEFINE_AXPYBF(NT)                                                                                         \
-    static inline void axpybf##NT(const float* uk, int64_t u_stride, int64_t r, const uint32_t* blk, void* out,    \
+    static inline void axpybf##NT(const uint16_t* ub, int64_t r, const uint32_t* blk, void* out,                  \
                                   const int64_t* offs, int out_bf16, int nt, int64_t ow) {                         \
-        uint16_t ub[NT][MAXRANK + 32] __attribute__((aligned(64)));                                              \
-        for (int t = 0; t < NT; t++)                                                                              \
-            for (int64_t j0 = 0; j0 < r; j0 += 32) {                                                              \
-                __mmask16 m0 = (__mmask16)(r - j0 >= 16 ? 0xffff : (1u << (r - j0)) - 1);                          \
-                __mmask16 m1 = (__mmask16)(r - j0 >= 32 ? 0xffff : r - j0 <= 16 ? 0 : (1u << (r - j0 - 16)) - 1);  \
-                __m512bh h = _mm512_cvtne2ps_pbh(_mm512_maskz_loadu_ps(m1, uk + t * u_stride + j0 + 16),           \
-                                                 _mm512_maskz_loadu_ps(m0, uk + t * u_stride + j0));               \
-                memcpy(ub[t] + j0, &h, 64);                                                                       \
-            }                                                                                                     \
         __m512 lo[NT], hi[NT];                                                                                    \
         for (int t = 0; t < NT; t++) lo[t] = hi[t] = _mm512_setzero_ps();                                          \
         for (int64_t j = 0; j < r; j += 2) {                                                                      \
             const uint32_t* br = blk + (j / 2) * BC;                                                              \
-            __builtin_prefetch(br + PF * BC);                                                                     \
+            __builtin_prefetch(br + PF * BC, 0, 2), __builtin_prefetch(br + PF * BC + VW, 0, 2);                  \
             const __m512i b0 = _mm512_loadu_si512(br), b1 = _mm512_loadu_si512(br + VW);                          \
             for (int t = 0; t < NT; t++) {                                                                        \
                 int32_t pair;                                                                                     \
-                memcpy(&pair, ub[t] + j, 4);                                                                      \
+                memcpy(&pair, ub + t * UBW + j, 4);                                                               \
                 const __m512i uv = _mm512_set1_epi32(pair);                                                       \
                 lo[t] = _mm512_dpbf16_ps(lo[t], (__m512bh)uv, (__m512bh)b0);                                      \
                 hi[t] = _mm512_dpbf16_ps(hi[t], (__m512bh)uv, (__m512bh)b1);                                      \
             }                                                                                                     \
         }                                                                                                         \
         for (int t = 0; t < nt; t++) {                                                                            \
+            if (out_bf16 && ow == BC) {                                                                           \
+                add_bf16_32((uint16_t*)out + offs[t], lo[t], hi[t]);                                              \
+                continue;                                                                                         \
+            }                                                                                                     \
             v16 l, h;                                                                                             \
             memcpy(&l, &lo[t], 64), memcpy(&h, &hi[t], 64);                                                       \
             store_add(out, offs[t], out_bf16, l, h, ow);                                                          \
@@ -336,6 +354,21 @@ DEFINE_AXPYBF(1)
 DEFINE_AXPYBF(2)
 DEFINE_AXPYBF(4)
 DEFINE_AXPYBF(8)
+
+/* tokens the power-of-two kernel for nt tokens computes */
+static inline int nt_pad(int nt) { return nt > 4 ? 8 : nt > 2 ? 4 : nt; }
+
+/* the vdpbf16ps expand of one column block: out rows tok[p0..p0+nt), columns col + o0 .. */
+static void expand_block_bf(const uint16_t* ub, int64_t r, const uint32_t* blk, int64_t out_k, int64_t o0, int nt,
+                            int64_t p0, const int64_t* tok, void* out, int64_t out_stride, int64_t col) {
+    int64_t offs[TB];
+    for (int t = 0; t < nt; t++) offs[t] = tok[p0 + t] * out_stride + col + o0;
+    int64_t ow = out_k - o0 < BC ? out_k - o0 : BC;
+    if (nt > 4) axpybf8(ub, r, blk, out, offs, 1, nt, ow);
+    else if (nt > 2) axpybf4(ub, r, blk, out, offs, 1, nt, ow);
+    else if (nt > 1) axpybf2(ub, r, blk, out, offs, 1, nt, ow);
+    else axpybf1(ub, r, blk, out, offs, 1, nt, ow);
+}
 #endif
 
 /* elements of B per rank row of the arena: one rank of every column block */
@@ -354,16 +387,6 @@ static void expand_block(const float* u, int64_t u_stride, int64_t nmod, int64_t
     int64_t ow = out_k - o0 < BC ? out_k - o0 : BC;
     /* nt <= TB tokens run the next power-of-two kernel: rows past the block read other positions' u (or the
      * zeroed padding rows after the last one) and are never stored */
-#if HAVE_BF16_DOT
-    if (w_bf16 && out_bf16 && r <= MAXRANK) { /* a bf16 model: u in bf16 loses nothing the model keeps */
-        const uint32_t* b = (const uint32_t*)blk;
-        if (nt > 4) axpybf8(uk, u_stride, r, b, out, offs, out_bf16, nt, ow);
-        else if (nt > 2) axpybf4(uk, u_stride, r, b, out, offs, out_bf16, nt, ow);
-        else if (nt > 1) axpybf2(uk, u_stride, r, b, out, offs, out_bf16, nt, ow);
-        else axpybf1(uk, u_stride, r, b, out, offs, out_bf16, nt, ow);
-        return;
-    }
-#endif
     if (nt > 4) axpy8(uk, u_stride, r, blk, w_bf16, out, offs, out_bf16, nt, ow);
     else if (nt > 2) axpy4(uk, u_stride, r, blk, w_bf16, out, offs, out_bf16, nt, ow);
     else if (nt > 1) axpy2(uk, u_stride, r, blk, w_bf16, out, offs, out_bf16, nt, ow);
@@ -540,6 +563,10 @@ int loom_lora_sgmv(int64_t in_dim, const void* x, int x_bf16, void* out, int64_t
 #endif
         {
             /* expand: work items = (segment, sub-module, token block, column chunk); each owns its out cells */
+#if HAVE_BF16_DOT
+            uint16_t ub[TB * UBW] __attribute__((aligned(64)));
+            int64_t ub_g = -1, ub_k = -1, ub_p = -1;
+#endif
             for (int64_t g = 0; g < nseg; g++) {
                 int64_t s = seg[3 * g], p0 = seg[3 * g + 1], p1 = seg[3 * g + 2];
                 int64_t ntb = (p1 - p0 + TB - 1) / TB;
@@ -548,6 +575,9 @@ int loom_lora_sgmv(int64_t in_dim, const void* x, int x_bf16, void* out, int64_t
                     if (!r) continue;
                     int64_t nc = (out_k[k] + BC - 1) / BC;
                     const char* b = (const char*)B[k] + start[s] * bstep(out_k[k]) * esz;
+#if HAVE_BF16_DOT
+                    const int bfx = w_bf16 && out_bf16 && r <= MAXRANK; /* a bf16 model: u in bf16 loses nothing */
+#endif
 #ifdef _OPENMP
 #pragma omp for schedule(static) nowait
 #endif
@@ -555,6 +585,17 @@ int loom_lora_sgmv(int64_t in_dim, const void* x, int x_bf16, void* out, int64_t
                         int64_t tb = it / nc, c = it % nc;
                         int64_t pa = p0 + tb * TB;
                         int nt = (int)((p1 - pa) < TB ? (p1 - pa) : TB);
+#if HAVE_BF16_DOT
+                        if (bfx) {
+                            if (g != ub_g || k != ub_k || pa != ub_p) { /* each thread converts its blocks' u once */
+                                u_to_bf16(u + pa * u_stride + k * (u_stride / nmod), u_stride, r, nt_pad(nt), ub);
+                                ub_g = g, ub_k = k, ub_p = pa;
+                            }
+                            expand_block_bf(ub, r, (const uint32_t*)(b + c * blk_elems(r, 1) * esz), out_k[k], c * BC,
+                                            nt, pa, tok, out, out_stride, col_k[k]);
+                            continue;
+                        }
+#endif
                         expand_block(u, u_stride, nmod, k, r, b + c * blk_elems(r, w_bf16) * esz, w_bf16, out_k[k], c * BC, nt, pa, tok, out, out_stride,
                                      out_bf16, col_k[k]);
                     }
