@@ -94,7 +94,7 @@ def read_adapter(
         raise LoraWeightsError(f"LoRA adapter {name}: {path} is empty (0 bytes)")
     try:
         tensors = safetensors.torch.load(path.read_bytes() if data is None else data)
-        keys = list(tensors)
+        keys = sorted(tensors)
     except Exception as e:  # noqa: BLE001 - safetensors raises several types for corrupt files
         raise LoraWeightsError(f"LoRA adapter {name}: {path} is not a readable safetensors file: {e}") from None
     found: dict[tuple[int, str], dict[str, str]] = {}
