@@ -85,6 +85,27 @@ class RankLiveness:
         return [round(now - self.last_answer.get(r, now), 3) for r in range(self.tp_size)]
 
 
+class FirstReady:
+    """When each TP group epoch's first rank said READY, for telling a stuck rank from a slow start.
+
+    A rank silent for ``--step-timeout`` after another rank of its own epoch answered is taken as stuck (e.g. in
+    a collective that a dead scheduler's last plan started on only some ranks). The clock is per epoch: a
+    replacement group's clock starts at its own first READY, not at an older group's (which once made every
+    replacement count as hung the moment one of its ranks was up, until the launcher gave up).
+    """
+
+    def __init__(self) -> None:
+        self.first: dict[int, float] = {}
+
+    def seen(self, epoch: int, now: float) -> None:
+        """A rank of ``epoch`` said READY at ``now`` (monotonic seconds)."""
+        self.first.setdefault(epoch, now)
+
+    def waited(self, epoch: int, now: float) -> float:
+        """Seconds since ``epoch``'s first READY (0 before any, which starts its clock now)."""
+        return now - self.first.setdefault(epoch, now)
+
+
 def batch_stats(sched: Any) -> dict[str, Any]:
     """Running / waiting requests, KV use and the adapters they need, read from a ``Scheduler``.
 

@@ -48,7 +48,7 @@ from ipc.messages import (
 from ipc.model_config import load_model_config
 from ipc.proc import StopRequested, begin_cleanup, child_setup
 from ipc.sockets import CONTROL_CODEC, UNBOUNDED, HeartbeatSender, failed, make_socket, ready
-from scheduler_proc.health import BEAT_INTERVAL_S, RankLiveness, batch_stats, count_evictions
+from scheduler_proc.health import BEAT_INTERVAL_S, FirstReady, RankLiveness, batch_stats, count_evictions
 from scheduler_proc.lora_ops import LoadedAdapter, LoraOps
 from scheduler_proc.recovery import GroupRecovery, RestoreOutcome
 from scheduler_proc.scheduler import Scheduler
@@ -134,7 +134,7 @@ class SchedulerLoop:
         hello = self.worker_out.encode(SchedulerHello(self.incarnation))
         asked_restart = 0
         last_hello = 0.0
-        first_ready = float("inf")  # ranks silent this long after another rank answered are stuck
+        first_ready = FirstReady()  # ranks silent this long after another rank of their epoch answered are stuck
         while True:
             self.heartbeat.beat()
             epoch = max((r.epoch for r in self.ready.values()), default=0)
@@ -152,7 +152,7 @@ class SchedulerLoop:
                         self.workers.send_multipart([f"rank-{r}".encode(), hello], zmq.NOBLOCK)
                     except zmq.ZMQError:
                         pass  # not connected (yet): it sends READY by itself when it starts
-            if current and now - first_ready > self.args.step_timeout_s and asked_restart < epoch:
+            if current and first_ready.waited(epoch, now) > self.args.step_timeout_s and asked_restart < epoch:
                 asked_restart = epoch
                 self._ask_launcher(epoch, f"ranks {sorted(set(range(self.args.tp_size)) - set(current))} silent")
             if self.workers.poll(200):
@@ -163,7 +163,7 @@ class SchedulerLoop:
                     continue
                 if isinstance(msg, WorkerReady):  # results of a dead scheduler's plans arrive first: skipped
                     self.ready[msg.rank] = msg
-                    first_ready = min(first_ready, time.monotonic())
+                    first_ready.seen(msg.epoch, time.monotonic())
         self.ready = current
         cfg = load_model_config(self.args.model_path)
         tok = Tokenizer.from_file(f"{self.args.model_path}/tokenizer.json")

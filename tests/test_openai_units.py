@@ -208,6 +208,20 @@ def test_rank_liveness_probes_only_idle_ranks(monkeypatch: pytest.MonkeyPatch) -
     assert live.unresponsive() == {} and len(live.silence()) == 2
 
 
+def test_a_replacement_groups_stuck_clock_starts_at_its_own_first_ready() -> None:
+    """The scheduler's start-up wait: a rank silent ``--step-timeout`` after another rank *of its epoch* said
+    READY is stuck. Epoch 5's clock must not start at epoch 4's READY (that once declared every replacement group
+    hung the moment one of its ranks was up, until the launcher gave up after 5 restarts)."""
+    fr = sched_health.FirstReady()
+    fr.seen(4, 100.0)
+    fr.seen(4, 101.0)  # a second rank of epoch 4: the clock keeps the first
+    assert fr.waited(4, 105.0) == 5.0
+    fr.seen(5, 110.0)
+    assert fr.waited(5, 110.5) == 0.5  # not 10.5 (since epoch 4's first READY)
+    assert fr.waited(6, 120.0) == 0.0  # no READY of epoch 6 seen yet: its clock starts now
+    assert fr.waited(6, 121.0) == 1.0
+
+
 def test_slot_evictions_are_counted_per_slot() -> None:
     assert sched_health.count_evictions({"a": 0, "b": 1}, {"c": 0, "b": 1}) == 1
     assert sched_health.count_evictions({"a": 0, "b": 1}, {"b": 1}) == 0  # unloaded: the slot is empty
