@@ -17,7 +17,7 @@ class CacheKey(msgspec.Struct, frozen=True, order=True):
     uid: str
     layer: int
     module: str
-    which: str  # "A" or "B"
+    which: str  # "A", "B", or "B32" (B packed in 32-column blocks for the C kernel)
     tp_rank: int
     tp_size: int
 

@@ -296,7 +296,14 @@ class LoraPool:
         try:
             for (layer, m), (a, b) in weights.items():
                 self.cache.put(CacheKey(uid, layer, m, "A", *tp), a)
-                self.cache.put(CacheKey(uid, layer, m, "B", *tp), b)
+                if self.sgmv is None:
+                    self.cache.put(CacheKey(uid, layer, m, "B", *tp), b)
+                else:  # packed once here, so placing it in a slot (every warm load) is one copy
+                    packed = torch.empty(
+                        packed_elems(b.shape[0], b.shape[1], self.dtype == torch.bfloat16), dtype=b.dtype
+                    )
+                    pack_b(b, packed)
+                    self.cache.put(CacheKey(uid, layer, m, "B32", *tp), packed)
         except Exception:
             self.cache.drop_uid(uid)
             raise
@@ -363,13 +370,14 @@ class LoraPool:
         for (layer, m), r in sorted(ad.ranks.items()):
             fin, fout = self._local_dims(m)
             a = self.cache.get(CacheKey(uid, layer, m, "A", *tp), (r, fin), self.dtype)
-            b = self.cache.get(CacheKey(uid, layer, m, "B", *tp), (fout, r), self.dtype)
             self.A[layer][m][start : start + r].copy_(a, non_blocking=nb)
             dst = self._b_region(layer, m, start, self.slot_rows[s])
             if self.sgmv is None:
+                b = self.cache.get(CacheKey(uid, layer, m, "B", *tp), (fout, r), self.dtype)
                 dst[:r].copy_(b.T, non_blocking=nb)
-            else:  # packed at rank r (see _b_shape)
-                pack_b(b, dst)
+            else:  # packed at rank r at load (see _b_shape)
+                n = packed_elems(fout, r, self.dtype == torch.bfloat16)
+                dst[:n].copy_(self.cache.get(CacheKey(uid, layer, m, "B32", *tp), (n,), self.dtype))
 
     def _gap(self, need: int) -> int | None:
         """First rank row of the lowest gap of ``need`` free rows, or None."""
