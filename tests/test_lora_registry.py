@@ -329,3 +329,20 @@ def test_host_tier_eviction_and_transparent_reload():
         assert until_eos(out["output_ids"]) == until_eos(ref["greedy"]["r16-attn|raw_fox"], 8)
         rows = {x["name"]: x["uid"] for x in c.list_loras()}
         assert rows == {"a": uid_a, "b": rows["b"]}  # q was least recently used; a stayed resident
+
+
+def test_pins_count_rank_rows_not_slots():
+    """Two slots of rank 64 (128 rank rows) pin a rank-4 and a rank-48 adapter (4 + 48 rows leave 76, room for
+    one adapter at rank 64); a rank-64 pin next to the rank-4 one would not leave it."""
+    from tokenizer_proc.registry import Entry, LoraRegistry
+
+    reg = LoraRegistry(max_lora_rank=64, max_slots=2)
+    reg.loaded["p1"] = Entry("p1", "uid-1", "/a/p1", 4, True)
+    assert reg.pin_refusal("p2", True, 4) is None
+    assert reg.pin_refusal("p2", True, 48) is None
+    msg = reg.pin_refusal("p2", True, 64)
+    assert msg == (
+        "LoRA adapter p2: pinning it would leave no free slot of 2 for other adapters (pinned: ['p1']; they would "
+        "hold 68 of 128 rank rows, and an adapter at --max-lora-rank 64 needs 64)"
+    )
+    assert reg.pin_refusal("p2", False, 64) is None  # unpinned loads are never refused for room

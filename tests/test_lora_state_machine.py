@@ -126,7 +126,7 @@ def make_admin(tp: int = 1, max_loaded: int = MAX_LOADED) -> tuple[LoraAdmin, Fa
         enable_lora=True,
         max_loaded_loras=max_loaded,
         max_loras_per_batch=SLOTS,
-        max_lora_rank=64,
+        max_lora_rank=8,  # the adapters' rank: each takes a whole slot's rank rows, as the model counts
     )
     cluster = FakeCluster(tp)
     admin = LoraAdmin(args, cluster.send, SimpleNamespace(adapters_lost=0))
@@ -321,7 +321,8 @@ def test_refused_pin_evicts_nothing(h):
     refused = h.start(h.admin.load_adapter("b", h.paths["b"], True))
     assert outcome(refused) == (
         "refused",
-        "LoRA adapter b: pinning it would leave no free slot of 3 for other adapters (pinned: ['a', 'c'])",
+        "LoRA adapter b: pinning it would leave no free slot of 3 for other adapters (pinned: ['a', 'c']; they "
+        "would hold 24 of 24 rank rows, and an adapter at --max-lora-rank 8 needs 8)",
     )
     assert not h.cluster.queue and h.loaded() == before
     h.assert_agree()

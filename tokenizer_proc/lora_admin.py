@@ -232,7 +232,7 @@ class LoraAdmin:
 
     def _begin_load(self, name: str, path: str, pinned: bool, deterministic: bool, kind: Kind) -> Transition:
         resolved, rank = self.registry.check_adapter(name, path)
-        refusal = self.registry.pin_refusal(name, pinned)
+        refusal = self.registry.pin_refusal(name, pinned, rank)
         if refusal is not None:
             raise AdapterRefused(refusal)
         uid = self.registry.new_uid(name, resolved, deterministic)

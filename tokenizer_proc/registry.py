@@ -29,6 +29,7 @@ from ipc.lora_config import (
     WEIGHTS_FILE,
     LoraConfigError,
     adapter_name_problem,
+    lora_rows,
     never_loaded_message,
     read_adapter_config,
 )
@@ -202,18 +203,25 @@ class LoraRegistry:
         p = Path(path).expanduser()
         return self.base_dir / p if self.base_dir is not None and not p.is_absolute() else p
 
-    def pin_refusal(self, name: str, pinned: bool) -> str | None:
-        """Why pinning ``name`` must be refused (it would leave no unpinned slot), or None. The ranks refuse the
-        same; asking first means a refused pin never evicts anything."""
+    def pin_refusal(self, name: str, pinned: bool, rank: int = 0) -> str | None:
+        """Why pinning ``name`` (largest rank ``rank``) must be refused, or None: the pinned adapters' rank rows
+        (:func:`~ipc.lora_config.lora_rows`) must leave room for one adapter at ``--max-lora-rank`` in the
+        ``--max-loras-per-batch`` slots' rows. The ranks refuse the same (counting the ranks the weights really
+        have, which the config's largest can only overstate); asking first means a refused pin never evicts
+        anything."""
         if not pinned or not self.max_slots:
             return None
-        held = {n for n, e in self.loaded.items() if e.pinned} | {n for n, t in self.transitions.items() if t.pinned}
-        held.discard(name)
-        if len(held) + 1 < self.max_slots:
+        held = {n: e.rank for n, e in self.loaded.items() if e.pinned}
+        held |= {n: t.rank for n, t in self.transitions.items() if t.pinned}
+        held.pop(name, None)
+        slot = lora_rows(self.max_lora_rank)
+        rows = sum(lora_rows(r) for r in held.values()) + lora_rows(rank or self.max_lora_rank)
+        if rows + slot <= self.max_slots * slot:
             return None
         return (
             f"LoRA adapter {name}: pinning it would leave no free slot of {self.max_slots} for other adapters "
-            f"(pinned: {sorted(held)})"
+            f"(pinned: {sorted(held)}; they would hold {rows} of {self.max_slots * slot} rank rows, and an adapter "
+            f"at --max-lora-rank {self.max_lora_rank} needs {slot})"
         )
 
     def eviction_victim(self, keep: str | None = None) -> Entry | None:
