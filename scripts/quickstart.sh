@@ -9,10 +9,11 @@ ENDPOINT="ipc:///tmp/loom-quickstart-$$.sock"
 LOG="$(mktemp -t loom-quickstart.XXXXXX.log)"
 python3 launch.py --zmq-endpoint "$ENDPOINT" --max-total-tokens 8192 >"$LOG" 2>&1 &
 PID=$!
-# stop the cluster however this script ends (Ctrl-C and kill included) and wait until it has shut down
-trap 'kill -INT $PID 2>/dev/null; wait $PID 2>/dev/null || true' EXIT
+# stop the cluster however this script ends (Ctrl-C and kill included) and wait until it has shut down; the log
+# is kept only when something failed
+trap 'rc=$?; kill -INT $PID 2>/dev/null; wait $PID 2>/dev/null || true; if [[ $rc -eq 0 ]]; then rm -f "$LOG"; fi' EXIT
 trap 'exit 130' INT TERM
-echo "starting Loom (the first run converts the GGUF to safetensors, a few seconds); log: $LOG"
+echo "starting Loom (the first run converts the GGUF to safetensors, a few seconds); log: $LOG (kept if this fails)"
 until grep -q "Loom ready" "$LOG"; do
   if ! kill -0 $PID 2>/dev/null; then cat "$LOG"; echo "Loom failed to start" >&2; exit 1; fi
   sleep 1
