@@ -14,7 +14,7 @@ import safetensors.torch
 import torch
 
 from gpu_worker.tp_plan import ShardPlan
-from ipc.lora_config import LLAMA_LORA_MODULES, WEIGHTS_FILE, LoraAdapterConfig, vocab_refusal
+from ipc.lora_config import LLAMA_LORA_MODULES, WEIGHTS_FILE, LoraAdapterConfig, module_path, vocab_refusal
 from ipc.model_config import ModelConfig
 
 _KEY = re.compile(
@@ -42,12 +42,6 @@ def module_dims(cfg: ModelConfig, module: str) -> tuple[int, int]:
         "up_proj": (h, cfg.intermediate_size),
         "down_proj": (cfg.intermediate_size, h),
     }[module]
-
-
-def module_path(layer: int, module: str) -> str:
-    """PEFT's module path, used to match ``rank_pattern``/``alpha_pattern``."""
-    block = "mlp" if module in ("gate_proj", "up_proj", "down_proj") else "self_attn"
-    return f"model.layers.{layer}.{block}.{module}"
 
 
 def shard_range(cfg: ModelConfig, plan: ShardPlan, module: str) -> tuple[int, int]:

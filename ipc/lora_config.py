@@ -81,9 +81,19 @@ class LoraAdapterConfig(msgspec.Struct, frozen=True):
         alpha = float(a) if a is not None else self.lora_alpha
         return alpha / math.sqrt(r) if self.use_rslora else alpha / r
 
-    def max_rank(self) -> int:
-        """Largest rank of any module (``r`` or any ``rank_pattern`` value)."""
-        return max([self.r, *[int(v) for v in self.rank_pattern.values()]])
+    def max_rank(self, num_layers: int = 0) -> int:
+        """Largest rank of any module it adapts in a Llama model of ``num_layers`` layers (the ranks its weights
+        must have); with ``num_layers`` 0 (model unknown), ``r`` or any ``rank_pattern`` value, whichever is
+        largest, which can overstate it (an ``r`` every module overrides, a pattern that matches nothing)."""
+        paths = [module_path(i, m) for i in range(num_layers) for m in LLAMA_LORA_MODULES]
+        ranks = [self.rank_for(p) for p in paths if self.targets(p)]
+        return max(ranks) if ranks else max([self.r, *[int(v) for v in self.rank_pattern.values()]])
+
+
+def module_path(layer: int, module: str) -> str:
+    """PEFT's path of a Llama linear (``model.layers.3.self_attn.q_proj``), which the patterns match."""
+    block = "mlp" if module in ("gate_proj", "up_proj", "down_proj") else "self_attn"
+    return f"model.layers.{layer}.{block}.{module}"
 
 
 def lora_rows(rank: int) -> int:

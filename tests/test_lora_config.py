@@ -34,6 +34,16 @@ def test_scaling_plain_rslora_and_patterns(tmp_path):
     assert c.max_rank() == 8
 
 
+def test_max_rank_counts_the_modules_it_adapts_when_the_model_is_known(tmp_path):
+    """Without the model, the config's largest number; with it, the largest rank a targeted module has: an ``r``
+    every targeted module overrides, or a pattern that matches no module, does not count."""
+    c = _cfg(tmp_path, rank_pattern={"q_proj": 4, "v_proj": 6, "o_proj": 96})  # o_proj is not targeted
+    assert c.max_rank() == 96
+    assert c.max_rank(num_layers=30) == 6
+    c = _cfg(tmp_path, rank_pattern={"layers.2.self_attn.q_proj": 12}, layers_to_transform=[0, 1])
+    assert c.max_rank() == 12 and c.max_rank(num_layers=30) == 8  # layer 2 is not transformed
+
+
 def test_regex_target_modules_and_ignored_fields(tmp_path):
     c = _cfg(
         tmp_path,

@@ -117,7 +117,12 @@ class FrontDoor:
         self.health = ClusterHealth()
         self.metrics = metrics or Metrics()
         self.lora = LoraAdmin(  # the registry and LoRA commands
-            args, send_to_scheduler, self.health, cfg.tie_word_embeddings, on_loaded=self.metrics.lora_loaded
+            args,
+            send_to_scheduler,
+            self.health,
+            cfg.tie_word_embeddings,
+            on_loaded=self.metrics.lora_loaded,
+            num_layers=cfg.num_layers,
         )
         self.pending: dict[str, Pending] = {}
         self.by_client: dict[tuple[int, str], str] = {}

@@ -61,6 +61,7 @@ class LoraAdmin:
         health: LostCounter,
         tie_word_embeddings: bool | None = None,
         on_loaded: Callable[[str, float], None] | None = None,
+        num_layers: int = 0,
     ) -> None:
         self.args = args
         self.send = send
@@ -74,6 +75,7 @@ class LoraAdmin:
             max_slots=args.max_loras_per_batch,
             tie_word_embeddings=tie_word_embeddings,
             served_model_name=args.served_model_name or DEFAULT_SERVED_MODEL_NAME,
+            num_layers=num_layers,
         )
         self._ops: dict[int, asyncio.Future] = {}
         self._op_cmds: dict[int, object] = {}  # answered commands leave; the rest are resent to a new scheduler

@@ -121,9 +121,11 @@ class LoraRegistry:
         max_slots: int = 0,
         tie_word_embeddings: bool | None = None,
         served_model_name: str = "",
+        num_layers: int = 0,
     ) -> None:
         self.served_model_name = served_model_name  # no adapter may take the base model's id
         self.tied = tie_word_embeddings  # names the reason when an adapter targets lm_head / embed_tokens
+        self.num_layers = num_layers  # the model's, so an adapter's rank is the largest it really has (0: unknown)
         self.base_dir = Path(base_dir) if base_dir else None  # relative paths are relative to it (launch.py's cwd)
         self.root = self._absolute(lora_root).resolve() if lora_root else None
         self.max_lora_rank = max_lora_rank
@@ -193,11 +195,10 @@ class LoraRegistry:
             cfg = read_adapter_config(p, name, tie_word_embeddings=self.tied)
         except LoraConfigError as e:
             raise AdapterRefused(str(e)) from None
-        if cfg.max_rank() > self.max_lora_rank:
-            raise AdapterRefused(
-                f"LoRA adapter {name}: rank {cfg.max_rank()} exceeds --max-lora-rank {self.max_lora_rank}"
-            )
-        return str(p), cfg.max_rank()
+        rank = cfg.max_rank(self.num_layers)
+        if rank > self.max_lora_rank:
+            raise AdapterRefused(f"LoRA adapter {name}: rank {rank} exceeds --max-lora-rank {self.max_lora_rank}")
+        return str(p), rank
 
     def _absolute(self, path: str) -> Path:
         p = Path(path).expanduser()
@@ -308,7 +309,7 @@ class LoraRegistry:
             LoraConfigError: the adapter's config can no longer be read.
         """
         self._expect(name, ("gone", "known"), "adopt")
-        rank = read_adapter_config(Path(path), name, tie_word_embeddings=self.tied).max_rank()
+        rank = read_adapter_config(Path(path), name, tie_word_embeddings=self.tied).max_rank(self.num_layers)
         e = Entry(name, uid, path, rank, pinned, self._tick(), content_hash)
         self.loaded[name] = e
         self.refs[name] = (path, pinned)
