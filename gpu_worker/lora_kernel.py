@@ -78,7 +78,6 @@ _ARGTYPES = [
     _P,  # seg (int64 nseg x 3)
     _P,  # A (the fused arena, [rows, in])
     _P,  # start (int64 [slots]: each slot's first rank row in the arenas)
-    _I32,  # a_padded (16 rows exist past every slot's rows)
     _I32,  # w_bf16
     _I64,  # nmod
     _P,  # ranks (int32 [slots, nmod] of this layer)
@@ -134,7 +133,7 @@ class SgmvLayerArgs:
         self.b_ptrs = (ctypes.c_void_p * n)(*[b.data_ptr() for b in Bs])
         self.out_k = (ctypes.c_int64 * n)(*outs)
         self.col_k = (ctypes.c_int64 * n)(*cols)
-        self.tail = (A.data_ptr(), start.data_ptr(), 1, self.w_bf16, n, ranks.data_ptr(), self.b_ptrs)
+        self.tail = (A.data_ptr(), start.data_ptr(), self.w_bf16, n, ranks.data_ptr(), self.b_ptrs)
 
 
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)

@@ -285,7 +285,8 @@ class LoraPool:
         extra = sorted({m for (_, m) in weights} - set(self.targets))
         if extra:
             raise LoraPoolError(f"LoRA adapter {name} targets {extra}, outside --lora-target-modules {self.targets}")
-        rows = lora_rows(max((a.shape[0] for a, _ in weights.values()), default=0))
+        ranks = {k: a.shape[0] for k, (a, _) in weights.items()}
+        rows = lora_rows(max(ranks.values(), default=0))
         if pinned and self._pinned_rows() + rows + self.slot_size > self.capacity:
             raise LoraPoolError(
                 f"LoRA adapter {name}: pinning it would leave no free slot of {self.n_slots} for other adapters "
@@ -307,7 +308,6 @@ class LoraPool:
         except Exception:
             self.cache.drop_uid(uid)
             raise
-        ranks = {k: a.shape[0] for k, (a, _) in weights.items()}
         self.host[uid] = HostAdapter(uid, name, pinned, ranks, content_hash, str(path))
         if pinned:
             self._ensure_slot(uid, protected=())
@@ -357,8 +357,12 @@ class LoraPool:
         self._zero_region(self.slot_start[s], self.slot_rows[s])
         self._set_ranks(s, {})
         self.slot_uid[s] = None
-        self.slot_start[s] = self.slot_rows[s] = 0
-        self.start_tab[s] = 0
+        self._place(s, 0, 0)
+
+    def _place(self, s: int, start: int, rows: int) -> None:
+        """Slot ``s`` holds rank rows ``start .. start + rows`` (the kernel's copy of ``start`` too)."""
+        self.slot_start[s], self.slot_rows[s] = start, rows
+        self.start_tab[s] = start
 
     def _write_slot(self, s: int, uid: str) -> None:
         """Copy ``uid``'s shards into slot ``s`` (placed, rows zeroed); modules it lacks get rank 0."""
@@ -396,8 +400,7 @@ class LoraPool:
             if st != pos:
                 for dst, src in zip(self._rows_all(pos, n), self._rows_all(st, n), strict=True):
                     dst.copy_(src.clone())  # the two ranges may overlap
-                self.slot_start[s] = pos
-                self.start_tab[s] = pos
+                self._place(s, pos, n)
             pos += n
         self._zero_region(pos, self.capacity - pos)
 
@@ -413,9 +416,7 @@ class LoraPool:
                 self.order.remove(uid)
                 self.order.append(uid)
             return s
-        if uid not in self.host:
-            raise LoraPoolError(f"LoRA adapter uid {uid} is not loaded on TP rank {self.plan.rank}")
-        need = self.host[uid].rows
+        need = self.host[uid].rows  # callers check that uid is in the host tier
         start = self._gap(need)
         while start is None:
             if self.capacity - sum(self.slot_rows) >= need:
@@ -432,8 +433,7 @@ class LoraPool:
             start = self._gap(need)
         s = self.slot_uid.index(None)
         self.slot_uid[s] = uid
-        self.slot_start[s], self.slot_rows[s] = start, need
-        self.start_tab[s] = start
+        self._place(s, start, need)
         self._write_slot(s, uid)
         self.uid_slot[uid] = s
         self.order.append(uid)

@@ -205,8 +205,8 @@ class Scheduler:
         self.detokenize = detokenize
         self.special_tokens: dict[int, str] = dict(special_tokens or {})
         self.max_loras_per_batch = max_loras_per_batch
-        self.slot_rows = lora_rows(max_lora_rank)  # rank rows of one adapter at the largest rank
-        self.lora_rows_total = max_loras_per_batch * self.slot_rows
+        self.slot_size = lora_rows(max_lora_rank)  # rank rows of one adapter at the largest rank
+        self.lora_rows_total = max_loras_per_batch * self.slot_size
         self.adapter_rows: dict[str, int] = {}
         self.starvation_steps = starvation_steps
         self.pinned_uids: set[str] = set()
@@ -306,7 +306,7 @@ class Scheduler:
     # ------------------------------------------------------------------ planning
     def _rows(self, uid: str) -> int:
         """Rank rows adapter ``uid`` takes in the pools (a whole slot when not known)."""
-        return self.adapter_rows.get(uid, self.slot_rows)
+        return self.adapter_rows.get(uid, self.slot_size)
 
     def _unpinned_rows(self) -> int:
         return self.lora_rows_total - sum(self._rows(u) for u in self.pinned_uids | self.reserved_pins)

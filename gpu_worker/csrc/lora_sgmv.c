@@ -456,21 +456,21 @@ static void expand_amx(const uint16_t* ut, int64_t r, const uint16_t* b, int nt,
  * Slots are entries of one arena per buffer, placed by their first rank row start[s] (S-LoRA's unified paging:
  * an adapter takes rank rows at its own rank, not at the largest one):
  * A: rows [start[s] * nmod, ...) of an [arena_rows, in_dim] buffer, row j * nmod + k = rank j of sub-module k;
- * a_padded says 16 rows exist past every entry's last row (AMX's whole tiles read them and discard the result).
+ * 16 rows must exist past every entry's last row (AMX's whole tiles read them and discard the result).
  * B[k]: slot s at B[k] + start[s] * ceil(out_k[k] / 32) * 32 elements, packed at its rank r = ranks[s][k] in column
  * blocks of 32 (zero past out_k[k]): fp32 [blocks][r][32], bf16 [blocks][ceil(r / 2)][32][2] (start[s] even),
  * the arena followed by a zero pad.
  * u: fp32 scratch [len(tok) + 8][u_stride >= largest rank * nmod], module-major rows, rows past len(tok) zero. */
 int loom_lora_sgmv(int64_t in_dim, const void* x, int x_bf16, void* out, int64_t out_stride, int out_bf16,
                    const int64_t* tok, int64_t nseg, const int64_t* seg, const void* A, const int64_t* start,
-                   int a_padded, int w_bf16, int64_t nmod, const int32_t* ranks, const void* const* B,
+                   int w_bf16, int64_t nmod, const int32_t* ranks, const void* const* B,
                    const int64_t* out_k, const int64_t* col_k, float* u, int64_t u_stride) {
     if (in_dim > MAXIN) return -1;
     const int64_t esz = w_bf16 ? 2 : 4;
     const int bf16dot = HAVE_BF16_DOT && x_bf16 && w_bf16;
 #if HAVE_AMX
     /* AMX for the shrink when A's buffer has whole 16-row tiles (the pool pads it) and inputs are 32-aligned */
-    const int amx = bf16dot && in_dim % 32 == 0 && a_padded && amx_enable();
+    const int amx = bf16dot && in_dim % 32 == 0 && amx_enable();
 #endif
 #ifdef _OPENMP
 #pragma omp parallel
