@@ -49,9 +49,12 @@ QUESTIONS = [
 ]
 
 
-def chat_prompts(n: int) -> list[list[dict[str, str]]]:
-    """``n`` single-turn chats (questions repeat with a numbered suffix so prompts differ)."""
-    return [[{"role": "user", "content": f"{QUESTIONS[i % len(QUESTIONS)]} ({i})"}] for i in range(n)]
+def chat_prompts(n: int, run: int = 0) -> list[list[dict[str, str]]]:
+    """``n`` single-turn chats (questions repeat with a numbered suffix so prompts differ); ``run`` > 0 tags each
+    question with it, so the prompts of one run never hit the prefix cache that an earlier run's filled (they
+    share only the chat template's system prompt)."""
+    tag = f"run {run}, " if run else ""
+    return [[{"role": "user", "content": f"{QUESTIONS[i % len(QUESTIONS)]} ({tag}{i})"}] for i in range(n)]
 
 
 def random_prompt_ids(n_tokens: int, vocab_size: int, seed: int) -> list[int]:

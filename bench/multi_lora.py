@@ -31,7 +31,12 @@ def assignments(n_req: int, names: list[str]) -> list[str | None]:
 
 
 def loom_tps(endpoint: str, prompts: list, loras: list[str | None], new_tokens: int) -> float:
-    """tokens/s for all requests sent at once."""
+    """tokens/s for all requests sent at once.
+
+    A warm-up request per adapter (and base) first: it caches the chat template's system prompt, which every
+    prompt starts with, under each adapter, as later traffic would find it. KV computed under one adapter is not
+    another's, so without it a mixed run would prefill that prompt once per adapter and a base run only once.
+    """
     from ipc.client import AsyncLoomClient
 
     sp = {"max_new_tokens": new_tokens, "temperature": 0, "ignore_eos": True}
@@ -39,7 +44,9 @@ def loom_tps(endpoint: str, prompts: list, loras: list[str | None], new_tokens: 
     async def run() -> float:
         c = AsyncLoomClient(endpoint)
         try:
-            await c.generate(messages=prompts[0], sampling_params={**sp, "max_new_tokens": 2})  # warm-up
+            warm = [{"role": "user", "content": "Hello."}]
+            for lo in dict.fromkeys(loras):
+                await c.generate(messages=warm, sampling_params={**sp, "max_new_tokens": 2}, lora_path=lo)
             t = time.perf_counter()
             outs = await asyncio.gather(
                 *[
@@ -124,7 +131,7 @@ def main() -> None:
     print(bench_header("bench/multi_lora.py: mixed-adapter tokens/s", dtype=a.dtype, tp_size=a.tp_size, extra=quant))
     adapters = make_adapters(model_path, cache_root() / "bench-adapters", bench_adapters(a.adapters))
     names = sorted(adapters)
-    prompts = chat_prompts(a.requests)
+    prompts = chat_prompts(a.requests)  # transformers' and vLLM's runs (Loom's runs tag theirs, below)
     loras = assignments(a.requests, names)
     flags = [
         "--dtype", a.dtype, "--quantization", a.quantization, "--tp-size", str(a.tp_size),
@@ -134,10 +141,11 @@ def main() -> None:
     ]  # fmt: skip
     with loom_cluster(*flags) as cluster:
         # base and mixed take turns, so both see the same machine (its speed drifts by 2x within minutes)
+        # every run sends prompts no earlier run sent, so neither side finds whole prompts in the prefix cache
         pairs = [
-            (loom_tps(cluster.endpoint, prompts, [None] * len(prompts), a.new_tokens),
-             loom_tps(cluster.endpoint, prompts, loras, a.new_tokens))
-            for _ in range(a.repeats)
+            (loom_tps(cluster.endpoint, chat_prompts(a.requests, 2 * i + 1), [None] * a.requests, a.new_tokens),
+             loom_tps(cluster.endpoint, chat_prompts(a.requests, 2 * i + 2), loras, a.new_tokens))
+            for i in range(a.repeats)
         ]  # fmt: skip
     base, mixed = median([b for b, _ in pairs]), median([m for _, m in pairs])
     paired = median([m / b for b, m in pairs])

@@ -91,6 +91,56 @@ DEFINE_DOTBF(1)
 DEFINE_DOTBF(2)
 DEFINE_DOTBF(4)
 DEFINE_DOTBF(8)
+
+/* lanes of 16 fp32 vectors v[0..16) summed: out[i] = sum of v[i]'s lanes, by a tree of lane shuffles and adds (45
+ * instructions for 16 sums, where 16 separate reductions take ~8 each) */
+static inline void hsum16(const __m512* v, float* out) {
+    __m512 s[8], t[4], q[2];
+    for (int i = 0; i < 8; i++) /* 128-bit lanes 0+2 and 1+3 of v[2i] (low half) and of v[2i+1] (high half) */
+        s[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
+                             _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xee));
+    for (int i = 0; i < 4; i++) /* lane L of t[i]: the 4 partial sums of v[4i + L] */
+        t[i] = _mm512_add_ps(_mm512_shuffle_f32x4(s[2 * i], s[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(s[2 * i], s[2 * i + 1], 0xdd));
+    for (int i = 0; i < 2; i++) /* per lane: (t[2i].0 + .2, t[2i+1].0 + .2, t[2i].1 + .3, t[2i+1].1 + .3) */
+        q[i] = _mm512_add_ps(_mm512_unpacklo_ps(t[2 * i], t[2 * i + 1]), _mm512_unpackhi_ps(t[2 * i], t[2 * i + 1]));
+    /* element 4L + m: the sum of t[m]'s lane L, i.e. of v[4m + L] */
+    __m512 r = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(q[0]), _mm512_castps_pd(q[1]))),
+                             _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(q[0]), _mm512_castps_pd(q[1]))));
+    float f[16] __attribute__((aligned(64)));
+    _mm512_store_ps(f, r);
+    for (int i = 0; i < 16; i++) out[i] = f[4 * (i % 4) + i / 4];
+}
+
+/* u[t, j] and u[t, j'] (rows w0, w1 of A) for 8 tokens: each x vector loaded serves both rows, and the 16 sums are
+ * reduced together (hsum16) instead of one by one */
+static inline void dotbf2x8(const uint16_t* xh, const uint16_t* w0, const uint16_t* w1, int64_t in_dim, float* u0,
+                            float* u1, int64_t u_stride, int nt) {
+    __m512 acc[16];
+    for (int t = 0; t < 16; t++) acc[t] = _mm512_setzero_ps();
+    int64_t i = 0;
+    for (; i + 32 <= in_dim; i += 32) {
+        __builtin_prefetch((const char*)(w0 + i) + SPF, 0, 2), __builtin_prefetch((const char*)(w1 + i) + SPF, 0, 2);
+        const __m512bh a0 = (__m512bh)_mm512_loadu_si512(w0 + i), a1 = (__m512bh)_mm512_loadu_si512(w1 + i);
+        for (int t = 0; t < 8; t++) {
+            const __m512bh xv = (__m512bh)_mm512_loadu_si512(xh + t * in_dim + i);
+            acc[t] = _mm512_dpbf16_ps(acc[t], xv, a0);
+            acc[8 + t] = _mm512_dpbf16_ps(acc[8 + t], xv, a1);
+        }
+    }
+    if (i < in_dim) {
+        const __mmask32 m = (__mmask32)((1ull << (in_dim - i)) - 1);
+        const __m512bh a0 = (__m512bh)_mm512_maskz_loadu_epi16(m, w0 + i), a1 = (__m512bh)_mm512_maskz_loadu_epi16(m, w1 + i);
+        for (int t = 0; t < 8; t++) {
+            const __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(m, xh + t * in_dim + i);
+            acc[t] = _mm512_dpbf16_ps(acc[t], xv, a0);
+            acc[8 + t] = _mm512_dpbf16_ps(acc[8 + t], xv, a1);
+        }
+    }
+    float s[16];
+    hsum16(acc, s);
+    for (int t = 0; t < nt; t++) u0[t * u_stride] = s[t], u1[t * u_stride] = s[8 + t];
+}
 #else
 #define HAVE_BF16_DOT 0
 #endif
@@ -188,7 +238,13 @@ static void shrink_block(const float* xf, int nt, const void* a, int w_bf16, int
 #if HAVE_BF16_DOT
     if (bf16dot) {
         const uint16_t* xh = (const uint16_t*)xf;
-        for (int64_t j = j0; j < j1; j++) {
+        int64_t j = j0;
+        if (nt > 4) /* rows in pairs: half the x loads, and the sums reduced 16 at a time */
+            for (; j + 1 < j1; j += 2)
+                dotbf2x8(xh, (const uint16_t*)a + j * in_dim, (const uint16_t*)a + (j + 1) * in_dim, in_dim,
+                         u + p0 * u_stride + j % nmod * rc + j / nmod,
+                         u + p0 * u_stride + (j + 1) % nmod * rc + (j + 1) / nmod, u_stride, nt);
+        for (; j < j1; j++) {
             const uint16_t* w = (const uint16_t*)a + j * in_dim;
             float* uj = u + p0 * u_stride + j % nmod * rc + j / nmod;
             if (nt > 4) dotbf8(xh, w, in_dim, uj, u_stride, nt);
