@@ -127,17 +127,63 @@ def test_logprob_formatting() -> None:
         output_top_logprobs=[[(-0.5, 10), (-2.0, 12)], [(-1.0, 12), (-1.5, 11)]],
     )
 
-    def text(t: int) -> str:
-        return {10: "Hel", 11: "lo", 12: " x"}[t]
+    def raw(t: int) -> bytes:
+        return {10: b"Hel", 11: b"lo", 12: b" x"}[t]
 
-    chat = oa.chat_logprobs(meta, 1, None, text)
+    chat = oa.chat_logprobs(meta, 1, None, raw)
     assert chat is not None and [c.token for c in chat.content] == ["lo"]
     assert chat.content[0].top_logprobs[0].token == " x" and chat.content[0].bytes == list(b"lo")
-    legacy = oa.completion_logprobs(meta, 0, 0, True, text)
+    legacy = oa.completion_logprobs(meta, 0, True, raw)
     assert legacy is not None and legacy.tokens == ["Hel", "lo"] and legacy.text_offset == [0, 3]
     assert legacy.top_logprobs == [{"Hel": -0.5, " x": -2.0}, {" x": -1.0, "lo": -1.5}]
-    assert oa.chat_logprobs(MetaInfo("r", 1, 1), 0, None, text) is None
+    assert oa.completion_logprobs(meta, 1, False, raw).text_offset == [3]  # a stream's later chunk
+    assert oa.chat_logprobs(MetaInfo("r", 1, 1), 0, None, raw) is None
     assert oa.finish_reason(meta.finish_reason) == "length" and oa.finish_reason(FinishReason("stop")) == "stop"
+
+
+def test_logprobs_of_pieces_of_a_character(model_path) -> None:
+    """A character spread over several byte-level tokens: each token reports its real bytes (joined, they are the
+    text), is named ``bytes:\\xNN`` while not whole UTF-8, distinct candidates keep distinct names, and text
+    offsets count whole characters. Checked against the vocabulary itself, not against the code under test."""
+    from tokenizers import Tokenizer
+
+    from tokenizer_proc.token_bytes import TokenBytes, byte_level_chars
+
+    tok = Tokenizer.from_file(str(model_path / "tokenizer.json"))
+    tb = TokenBytes(tok)
+    text = "ok \U0001f31f\u6f22\u5b57 \u00e9!"  # an emoji, two CJK characters, an accented letter
+    ids = tok.encode(text, add_special_tokens=False).ids
+    assert len(ids) > len(text.split()), "the test needs characters split over several tokens"
+    assert b"".join(tb.bytes_of(t) for t in ids) == text.encode()
+    assert tok.decode(ids) == text
+    chars = byte_level_chars()
+    assert len(chars) == 256 and sorted(chars.values()) == list(range(256))
+    assert all(tb.bytes_of(t) == bytes(chars[c] for c in tok.id_to_token(t)) for t in ids)
+    partial = [t for t in ids if "\ufffd" in tok.decode([t])]
+    assert partial, "no token of the text is a piece of a character"
+
+    tops = [[(-0.1, t), (-0.2, partial[0]), (-0.3, partial[-1])] for t in ids]
+    meta = MetaInfo("r", 1, len(ids), output_token_logprobs=[(-0.1, t) for t in ids], output_top_logprobs=tops)
+    chat = oa.chat_logprobs(meta, 0, None, tb.bytes_of)
+    assert bytes(b for c in chat.content for b in c.bytes) == text.encode()
+    for c, t in zip(chat.content, ids, strict=True):
+        raw = tb.bytes_of(t)
+        try:
+            assert c.token == raw.decode()
+        except UnicodeDecodeError:
+            assert c.token == "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+    legacy = oa.completion_logprobs(meta, 0, True, tb.bytes_of)
+    if tb.bytes_of(partial[0]) != tb.bytes_of(partial[-1]):
+        # distinct candidates keep distinct keys (before, all pieces were named U+FFFD and overwrote each other)
+        assert all(
+            len(top) == 3 or t in partial[::-1][:1] + partial[:1]
+            for top, t in zip(legacy.top_logprobs, ids, strict=True)
+        )
+    # each token's offset: the characters of the text before the first character it has bytes of
+    for k, off in enumerate(legacy.text_offset):
+        before = b"".join(tb.bytes_of(t) for t in ids[:k])
+        assert off == len(before.decode("utf-8", errors="ignore"))
+    assert legacy.text_offset[-1] == len(text) - 1  # "!" is the last token
 
 
 # ----------------------------------------------------------------------------- the front door

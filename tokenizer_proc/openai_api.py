@@ -18,6 +18,7 @@ import msgspec
 from ipc.lora_config import MODEL_ADAPTER_SEPARATOR
 from ipc.messages import FinishReason, MetaInfo, SamplingParams
 from tokenizer_proc.http_io import HttpError
+from tokenizer_proc.token_bytes import text_offsets, token_string
 from tokenizer_proc.validate import CHAT_ROLES
 
 MAX_N = 64  # choices per request
@@ -27,7 +28,7 @@ MAX_SEED = 2**63 - 1  # the largest seed Loom's samplers take
 ROLES = (*CHAT_ROLES, "developer")  # developer is taken as system
 _UNKNOWN_FIELD = re.compile(r"Object contains unknown field `([^`]+)`(?: - at `\$\.?([^`]*)`)?")
 _AT = re.compile(r" - at `\$\.?([^`]*)`")
-TokenText = Callable[[int], str]
+TokenBytesOf = Callable[[int], bytes]  # a token id's bytes (tokenizer_proc.token_bytes)
 
 # ----------------------------------------------------------------------------- requests
 
@@ -503,8 +504,9 @@ def _top(meta: MetaInfo, i: int) -> list[tuple[float, int]]:
     return list(tops[i]) if tops is not None and i < len(tops) else []
 
 
-def chat_logprobs(meta: MetaInfo, start: int, end: int | None, token_text: TokenText) -> ChatLogprobs | None:
-    """The chat ``logprobs`` of tokens ``start:end`` (None when meta_info carries no logprobs)."""
+def chat_logprobs(meta: MetaInfo, start: int, end: int | None, token_bytes: TokenBytesOf) -> ChatLogprobs | None:
+    """The chat ``logprobs`` of tokens ``start:end`` (None when meta_info carries no logprobs): each token's real
+    bytes, and its text, or ``bytes:\\xNN...`` for a piece of a character (:func:`token_string`)."""
     lps = meta.output_token_logprobs
     if lps is None:
         return None
@@ -512,27 +514,28 @@ def chat_logprobs(meta: MetaInfo, start: int, end: int | None, token_text: Token
     stop = len(lps) if end is None else min(end, len(lps))
     for i in range(start, stop):
         lp, tok = lps[i]
-        text = token_text(tok)
-        tops = [TopLogprob(token_text(t), v, list(token_text(t).encode())) for v, t in _top(meta, i)]
-        out.append(TokenLogprob(text, lp, list(text.encode()), tops))
+        raw = token_bytes(tok)
+        tops = []
+        for v, t in _top(meta, i):
+            top_raw = token_bytes(t)
+            tops.append(TopLogprob(token_string(top_raw), v, list(top_raw)))
+        out.append(TokenLogprob(token_string(raw), lp, list(raw), tops))
     return ChatLogprobs(out)
 
 
 def completion_logprobs(
-    meta: MetaInfo, start: int, offset: int, want_top: bool, token_text: TokenText
+    meta: MetaInfo, start: int, want_top: bool, token_bytes: TokenBytesOf
 ) -> CompletionLogprobs | None:
-    """The legacy completions ``logprobs`` of tokens from ``start``; ``offset`` is the text offset of the
-    first one (None when meta_info carries no logprobs)."""
+    """The legacy completions ``logprobs`` of tokens from ``start`` (None when meta_info carries no logprobs);
+    ``text_offset`` counts the output text's characters before each token (:func:`text_offsets`)."""
     lps = meta.output_token_logprobs
     if lps is None:
         return None
-    tokens, values, tops, offsets = [], [], [], []
+    pieces = [token_bytes(tok) for _, tok in lps]
+    offsets = text_offsets(pieces)[start:]
+    tokens, values, tops = [], [], []
     for i in range(start, len(lps)):
-        lp, tok = lps[i]
-        text = token_text(tok)
-        tokens.append(text)
-        values.append(lp)
-        offsets.append(offset)
-        offset += len(text)
-        tops.append({token_text(t): v for v, t in _top(meta, i)})
+        tokens.append(token_string(pieces[i]))
+        values.append(lps[i][0])
+        tops.append({token_string(token_bytes(t)): v for v, t in _top(meta, i)})
     return CompletionLogprobs(tokens, values, tops if want_top else None, offsets)

@@ -10,7 +10,6 @@ overloaded or draining.
 
 from __future__ import annotations
 
-import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -42,6 +41,7 @@ from tokenizer_proc.http_io import (
     sse_event,
 )
 from tokenizer_proc.text import ChatTemplateError
+from tokenizer_proc.token_bytes import TokenBytes
 from tokenizer_proc.validate import BadRequest, PromptTooLong, validate_sampling
 
 if TYPE_CHECKING:
@@ -115,10 +115,7 @@ class OpenAIRoutes:
         self.door = door
         self.created = int(time.time())
         self.base_id = door.args.served_model_name or DEFAULT_BASE_ID
-        codec = door.codec
-        self.token_text: Callable[[int], str] = functools.lru_cache(maxsize=65536)(
-            lambda tok: codec.decode([tok], skip_special_tokens=False)
-        )
+        self.token_bytes = TokenBytes(door.codec.tok).bytes_of
 
     def routes(self) -> list[Route]:
         """The Starlette routes."""
@@ -347,7 +344,7 @@ class OpenAIRoutes:
                 oa.ChatChoice(
                     i,
                     oa.AssistantMessage(o.text),
-                    oa.chat_logprobs(o.meta_info, 0, None, self.token_text) if call.want_logprobs else None,
+                    oa.chat_logprobs(o.meta_info, 0, None, self.token_bytes) if call.want_logprobs else None,
                     oa.finish_reason(o.meta_info.finish_reason),
                 )
                 for i, o in enumerate(outs)
@@ -357,7 +354,7 @@ class OpenAIRoutes:
         for i, o in enumerate(outs):
             lp = None
             if call.want_logprobs:
-                lp = oa.completion_logprobs(o.meta_info, 0, 0, call.want_top, self.token_text)
+                lp = oa.completion_logprobs(o.meta_info, 0, call.want_top, self.token_bytes)
             completions.append(oa.CompletionChoice(i, o.text, lp, oa.finish_reason(o.meta_info.finish_reason)))
         return oa.Completion(rid, created, call.model, completions, usage=used)
 
@@ -426,14 +423,14 @@ class OpenAIRoutes:
         out = []
         reason = oa.finish_reason(meta.finish_reason) if msg.finished else None
         if call.kind == "chat":
-            lps = oa.chat_logprobs(meta, cur.tokens, None, self.token_text) if call.want_logprobs else None
+            lps = oa.chat_logprobs(meta, cur.tokens, None, self.token_bytes) if call.want_logprobs else None
             if delta or (lps is not None and lps.content):
                 out.append(chat_chunk(oa.ChatChunkChoice(i, oa.Delta(content=delta), lps)))
             if reason is not None:
                 out.append(chat_chunk(oa.ChatChunkChoice(i, oa.Delta(), None, reason)))
         else:
             lp = (
-                oa.completion_logprobs(meta, cur.tokens, cur.chars, call.want_top, self.token_text)
+                oa.completion_logprobs(meta, cur.tokens, call.want_top, self.token_bytes)
                 if call.want_logprobs
                 else None
             )

@@ -140,13 +140,50 @@ int loom_q8_amx(const int64_t* a) {
 }
 
 #if HAVE_DPBF16
-/* rows [32 h, 32 h + 32) of 64-row block nb of W as group_dot.h's codes (q, exact in bf16: the top half of its
- * exact fp32) and scales */
-static void build_q8_codes(const void* qp_, const void* d_, int64_t nb, int h, int64_t K, int64_t N_pad, uint32_t* bq,
-                           float* sc, float* zr) {
-    (void)zr;
-    const int8_t* qp = qp_;
-    const uint16_t* d = d_;
+/* The codes of rows [32 h, 32 h + 32) of 64-row block nb of W in group_dot.h's pair layout bq (q, exact in bf16) */
+#if defined(__AVX512VBMI__)
+/* One byte permutation of both inputs' 64 codes (vpermt2b) orders the half's codes as (input 2p, input 2p + 1) per
+ * row; two 128-entry table lookups on |q| (vpermt2b again) give the low and high bytes of bf16(|q|), q's sign is
+ * or-ed into the high byte (q = -128, whose |q| does not fit the table, is set apart), and unpacking interleaves
+ * the bytes into words. The permutation is chosen so that unpacking within 128-bit lanes leaves rows 0..15 in the
+ * first vector and 16..31 in the second. 12 instructions per pair of inputs, against 18 by widening to fp32. */
+static uint8_t q8_lo_tab[128], q8_hi_tab[128], q8_order[2][64]; /* filled once, when the library loads */
+
+__attribute__((constructor)) static void q8_tables(void) {
+    for (int v = 0; v < 128; v++) { /* bf16(v): its low and high byte */
+        float f = (float)v;
+        uint32_t bits;
+        memcpy(&bits, &f, 4);
+        q8_lo_tab[v] = (uint8_t)(bits >> 16), q8_hi_tab[v] = (uint8_t)(bits >> 24);
+    }
+    /* half h: byte 16 L + 2 i + e <- row 32 h + (4 L + i (i < 4) or 12 + 4 L + i (i >= 4)) of input 2p + e */
+    for (int h = 0; h < 2; h++)
+        for (int L = 0; L < 4; L++)
+            for (int i = 0; i < 8; i++)
+                for (int e = 0; e < 2; e++)
+                    q8_order[h][16 * L + 2 * i + e] = (uint8_t)(64 * e + 32 * h + (i < 4 ? 4 * L + i : 12 + 4 * L + i));
+}
+
+static void build_q8_pairs(const int8_t* qp, int64_t nb, int h, int64_t K, uint32_t* bq) {
+    const __m512i order = _mm512_loadu_si512(q8_order[h]), sign = _mm512_set1_epi8((char)0x80);
+    const __m512i m128 = _mm512_set1_epi8((char)0xc3);
+    const __m512i lo0 = _mm512_loadu_si512(q8_lo_tab), lo1 = _mm512_loadu_si512(q8_lo_tab + 64);
+    const __m512i hi0 = _mm512_loadu_si512(q8_hi_tab), hi1 = _mm512_loadu_si512(q8_hi_tab + 64);
+    for (int64_t p = 0; p < K / 2; p++) {
+        const int8_t* src = qp + (nb * K + 2 * p) * 64;
+        const __m512i q = _mm512_permutex2var_epi8(_mm512_loadu_si512(src), order, _mm512_loadu_si512(src + 64));
+        const __mmask64 min = _mm512_cmpeq_epi8_mask(q, sign); /* q = -128: bf16 0xc300 (low byte 0, as entry 0's) */
+        const __m512i a = _mm512_abs_epi8(q);
+        const __m512i lo = _mm512_permutex2var_epi8(lo0, a, lo1);
+        __m512i hi = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(hi0, a, hi1), q, sign, 0xF8); /* | (q & sign) */
+        hi = _mm512_mask_mov_epi8(hi, min, m128);
+        _mm512_storeu_si512(bq + p * 32, _mm512_unpacklo_epi8(lo, hi));      /* rows 0..15 */
+        _mm512_storeu_si512(bq + p * 32 + 16, _mm512_unpackhi_epi8(lo, hi)); /* rows 16..31 */
+    }
+}
+#else
+/* Without AVX512-VBMI (Cooper Lake): each code widened to fp32 (exact), whose top half is its bf16 */
+static void build_q8_pairs(const int8_t* qp, int64_t nb, int h, int64_t K, uint32_t* bq) {
     const __m512i top = _mm512_set1_epi32((int)0xFFFF0000u);
     for (int64_t p = 0; p < K / 2; p++) {
         const int8_t* src = qp + (nb * K + 2 * p) * 64 + 32 * h;
@@ -157,6 +194,15 @@ static void build_q8_codes(const void* qp_, const void* d_, int64_t nb, int h, i
             _mm512_storeu_si512(bq + p * 32 + 16 * s, _mm512_ternarylogic_epi32(top, b, _mm512_srli_epi32(a, 16), 0xCA));
         }
     }
+}
+#endif
+
+/* rows [32 h, 32 h + 32) of 64-row block nb of W as group_dot.h's codes and scales (Q8_0 has no zeros) */
+static void build_q8_codes(const void* qp, const void* d_, int64_t nb, int h, int64_t K, int64_t N_pad, uint32_t* bq,
+                           float* sc, float* zr) {
+    (void)zr;
+    const uint16_t* d = d_;
+    build_q8_pairs(qp, nb, h, K, bq);
     for (int64_t g = 0; g < K / 32; g++)
         for (int s = 0; s < 2; s++)
             _mm512_storeu_ps(sc + g * 32 + 16 * s,
