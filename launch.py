@@ -260,10 +260,14 @@ def to_server_args(ns: argparse.Namespace) -> ServerArgs:
     if ns.lora_paths and not ns.enable_lora:
         raise SystemExit("--lora-paths needs --enable-lora")
     served = served_as_given  # the model id clients name: the path as the user wrote it
+    seen: set[str] = set()
     for spec in ns.lora_paths or []:
         problem = adapter_name_problem(spec.name, served)  # fail before any process starts
         if problem:
             raise SystemExit(f"--lora-paths: {problem}")
+        if spec.name in seen:
+            raise SystemExit(f"--lora-paths: the name {spec.name!r} is given twice")
+        seen.add(spec.name)
     return ServerArgs(
         model_path=str(model_dir),
         dtype=ns.dtype,

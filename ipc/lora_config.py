@@ -165,8 +165,11 @@ def read_adapter_config(folder: str | Path, name: str, *, tie_word_embeddings: b
     if not d.is_dir():
         raise LoraConfigError(f"LoRA adapter {name}: {d} is not a folder")
     if not cfg_path.is_file():
-        raise LoraConfigError(f"LoRA adapter {name}: {cfg_path} is missing")
+        what = "is not a regular file" if cfg_path.exists() else "is missing"
+        raise LoraConfigError(f"LoRA adapter {name}: {cfg_path} {what}")
     if not (d / WEIGHTS_FILE).is_file():
+        if (d / WEIGHTS_FILE).exists():
+            raise LoraConfigError(f"LoRA adapter {name}: {d / WEIGHTS_FILE} is not a regular file")
         extra = " (.bin/pickle weights are never opened)" if (d / "adapter_model.bin").exists() else ""
         raise LoraConfigError(f"LoRA adapter {name}: {d / WEIGHTS_FILE} is missing{extra}")
     try:
@@ -202,8 +205,9 @@ def read_adapter_config(folder: str | Path, name: str, *, tie_word_embeddings: b
     if not isinstance(r, int) or r <= 0:
         raise LoraConfigError(f"LoRA adapter {name}: {CONFIG_FILE} field r={r!r} must be a positive integer")
     alpha = raw.get("lora_alpha", r)
-    if not isinstance(alpha, (int, float)) or alpha <= 0:
-        raise LoraConfigError(f"LoRA adapter {name}: {CONFIG_FILE} field lora_alpha={alpha!r} must be positive")
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not alpha > 0:
+        why = f"{CONFIG_FILE} field lora_alpha={alpha!r} must be a positive number"
+        raise LoraConfigError(f"LoRA adapter {name}: {why}")
     tm = raw.get("target_modules")
     if isinstance(tm, str) and tm.lower() == ALL_LINEAR:
         tm = list(LLAMA_LORA_MODULES)  # PEFT expands the shorthand the same way when it loads the adapter
@@ -291,8 +295,8 @@ def adapter_name_problem(name: str, served_model_name: str = "") -> str | None:
     Every entry point that loads adapters (HTTP ``/load_lora_adapter``, ZMQ ``LoadLoraReq``, ``--lora-paths``)
     checks names through this one function, so a request's ``model`` always names one thing: a name must be
     non-empty, have no leading or trailing whitespace, contain no ``/`` and no ``:`` (the ``BASE:ADAPTER``
-    separator), no ``,`` and no control characters, be at most ``MAX_ADAPTER_NAME`` characters, and differ
-    from the served model's name (the base model's id).
+    separator), no ``,`` and no non-printable characters, not be ``.`` or ``..``, be at most
+    ``MAX_ADAPTER_NAME`` characters, and differ from the served model's name (the base model's id).
     """
     if not name.strip():
         return f"LoRA adapter name {name!r} is empty or only whitespace; give the adapter a name"
@@ -302,10 +306,13 @@ def adapter_name_problem(name: str, served_model_name: str = "") -> str | None:
         return f"LoRA adapter name {name!r} contains '/'"
     if len(name) > MAX_ADAPTER_NAME:
         return f"LoRA adapter name {name[:40]!r}... is {len(name)} characters long; at most {MAX_ADAPTER_NAME}"
-    bad = next((c for c in name if c == "," or not c.isprintable()), None)
-    if bad is not None:
-        # commas join names in the vllm:lora_requests_info labels gateways parse; control characters break logs
-        return f"LoRA adapter name {name!r} contains {bad!r}: use printable characters other than ','"
+    if name in (".", ".."):
+        return f"LoRA adapter name {name!r} is a path step: URLs such as /v1/models/{name} could not name it"
+    if "," in name:  # commas join names in the vllm:lora_requests_info labels gateways parse
+        return f"LoRA adapter name {name!r} contains ','"
+    bad = next((c for c in name if not c.isprintable()), None)
+    if bad is not None:  # control and invisible characters break logs and make look-alike names
+        return f"LoRA adapter name {name!r} contains the non-printable character U+{ord(bad):04X}"
     if MODEL_ADAPTER_SEPARATOR in name:
         return (
             f"LoRA adapter name {name!r} contains {MODEL_ADAPTER_SEPARATOR!r}, which separates BASE:ADAPTER in a "

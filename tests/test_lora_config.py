@@ -69,7 +69,9 @@ def test_regex_target_modules_and_ignored_fields(tmp_path):
         ("lora_bias", True, "field lora_bias=True is not supported"),
         ("target_modules", ["q_proj", "lm_head"], "field target_modules=['lm_head'] is not supported"),
         ("r", 0, "field r=0 must be a positive integer"),
-        ("lora_alpha", -1, "field lora_alpha=-1 must be positive"),
+        ("lora_alpha", -1, "field lora_alpha=-1 must be a positive number"),
+        ("lora_alpha", "16", "field lora_alpha='16' must be a positive number"),
+        ("lora_alpha", True, "field lora_alpha=True must be a positive number"),
         ("rank_pattern", {"q_proj": 0}, "field rank_pattern must map patterns to numbers > 0"),
     ],
 )
@@ -95,6 +97,15 @@ def test_lora_paths_flag_forms():
     assert got == [("a", "/x/y", False), ("named-by-folder", "/p/q/named-by-folder", False), ("pin", "/z", True)]
 
 
+def test_a_name_given_twice_in_lora_paths_stops_launch_naming_it(tmp_path):
+    from launch import build_parser, to_server_args
+
+    a = write_adapter(tmp_path / "a", r=4, targets=["q_proj"])
+    ns = build_parser().parse_args(["--enable-lora", "--lora-paths", f"x={a}", f"x={a}"])
+    with pytest.raises(SystemExit, match="--lora-paths: the name 'x' is given twice"):
+        to_server_args(ns)
+
+
 def test_launch_infers_rank_and_targets_from_initial_adapters(tmp_path):
     from launch import build_parser, infer_lora_defaults
 
@@ -104,3 +115,18 @@ def test_launch_infers_rank_and_targets_from_initial_adapters(tmp_path):
     assert infer_lora_defaults(ns) == (12, ["q_proj", "v_proj", "down_proj"])
     ns = build_parser().parse_args(["--enable-lora", "--max-lora-rank", "32", "--lora-paths", f"a={a}"])
     assert infer_lora_defaults(ns) == (32, ["q_proj"])
+
+
+def test_a_folder_or_fifo_in_place_of_a_file_is_named_as_such(tmp_path):
+    import os
+
+    folder = write_adapter(tmp_path / "a", r=8, alpha=16, targets=["q_proj"])
+    (folder / "adapter_model.safetensors").unlink()
+    (folder / "adapter_model.safetensors").mkdir()
+    with pytest.raises(LoraConfigError, match="adapter_model.safetensors is not a regular file"):
+        read_adapter_config(folder, "ad")
+    (folder / "adapter_model.safetensors").rmdir()
+    (folder / "adapter_config.json").rename(folder / "cfg.json")
+    os.mkfifo(folder / "adapter_config.json")
+    with pytest.raises(LoraConfigError, match="adapter_config.json is not a regular file"):
+        read_adapter_config(folder, "ad")

@@ -86,6 +86,7 @@ def test_models_lists_the_base_and_adapters_with_their_parent(client: openai.Ope
     assert cards["a"]["root"].endswith("r8-all")
     assert client.models.retrieve("a").to_dict() == cards["a"]  # GET /v1/models/{id}
     assert client.models.retrieve(base).to_dict() == cards[base]
+    assert client.models.retrieve(f"{base}:a").to_dict() == cards["a"]  # as a request's model may name it
     with pytest.raises(openai.NotFoundError, match="does not exist"):
         client.models.retrieve("nope")
 

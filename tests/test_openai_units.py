@@ -318,8 +318,11 @@ def test_adapter_names_are_checked_by_one_function() -> None:
         ("a\t", "leading or trailing whitespace"),
         ("a/b", "'/'"),
         ("a:b", "separates BASE:ADAPTER"),
-        ("com,ma", "other than ','"),
-        ("new\nline", "other than ','"),
+        ("com,ma", "contains ','"),
+        ("new\nline", "non-printable character U+000A"),
+        ("zero\u200bwidth", "non-printable character U+200B"),
+        (".", "path step"),
+        ("..", "path step"),
         ("x" * 129, "at most 128"),
         (base, "served model's name"),
     ):
@@ -330,6 +333,19 @@ def test_adapter_names_are_checked_by_one_function() -> None:
     assert adapter_name_problem("my-adapter_2.v1", base) is None
     assert adapter_name_problem("x" * 128, base) is None and adapter_name_problem("é-adapter", base) is None
     assert adapter_name_problem(base, "") is None  # no served name known: nothing to clash with
+
+
+def test_unusable_adapter_paths_are_refused_by_name(tmp_path) -> None:
+    """A path the file system cannot take (a NUL byte, a name over NAME_MAX) is the caller's error, named, with
+    and without --lora-root: it used to escape as an internal error (HTTP 500)."""
+    from tokenizer_proc.registry import AdapterRefused, LoraRegistry
+
+    for root in ("", str(tmp_path)):
+        reg = LoraRegistry(lora_root=root)
+        with pytest.raises(AdapterRefused, match="LoRA adapter a: path .* contains a NUL character"):
+            reg.check_adapter("a", str(tmp_path / "x\x00y"))
+        with pytest.raises(AdapterRefused, match="LoRA adapter a: .*(cannot be used|is not a folder)"):
+            reg.check_adapter("a", str(tmp_path / ("n" * 5000)))
 
 
 def test_every_load_entry_point_refuses_bad_adapter_names(model_path) -> None:

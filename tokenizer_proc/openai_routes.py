@@ -21,7 +21,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import Send
 
-from ipc.lora_config import DEFAULT_SERVED_MODEL_NAME
+from ipc.lora_config import DEFAULT_SERVED_MODEL_NAME, MODEL_ADAPTER_SEPARATOR
 from ipc.messages import ChatMessage, ErrorOut, GenerateOut, GenerateReq, SamplingParams, ServerMsg
 from tokenizer_proc import openai_api as oa
 from tokenizer_proc.http_io import (
@@ -143,11 +143,15 @@ class OpenAIRoutes:
         return json_response(200, oa.ModelList(self._cards()))
 
     async def model(self, request: Request) -> Response:
-        """``GET /v1/models/{model}``: one entry of the list; 404 ``model_not_found`` for any other id."""
+        """``GET /v1/models/{model}``: one entry of the list (``BASE:ADAPTER`` names the adapter's, as in a
+        request's ``model``); 404 ``model_not_found`` for any other id."""
         model = request.path_params["model"]
-        for card in self._cards():
-            if card.id == model:
-                return json_response(200, card)
+        prefix = self.base_id + MODEL_ADAPTER_SEPARATOR
+        cards = self._cards()
+        for want in (model, model[len(prefix) :] if model.startswith(prefix) else None):
+            for card in cards:
+                if card.id == want:
+                    return json_response(200, card)
         raise HttpError(404, f"The model `{model}` does not exist", param="model")
 
     # ------------------------------------------------------------------ requests

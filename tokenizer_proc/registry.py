@@ -181,6 +181,15 @@ class LoraRegistry:
         problem = adapter_name_problem(name, self.served_model_name)
         if problem is not None:
             raise AdapterRefused(problem)
+        if "\x00" in path:
+            raise AdapterRefused(f"LoRA adapter {name}: path {path!r} contains a NUL character")
+        try:
+            return self._check_path(name, path)
+        except OSError as e:  # a name too long for the file system, a loop of links, no permission
+            why = f"path {path[:200]!r} cannot be used: {e.strerror or e}"
+            raise AdapterRefused(f"LoRA adapter {name}: {why}") from None
+
+    def _check_path(self, name: str, path: str) -> tuple[str, int]:
         p = self._absolute(path).resolve()
         if self.root is not None and not p.is_relative_to(self.root):
             raise AdapterRefused(f"LoRA adapter {name}: path {path} is outside the allowed root {self.root}")
