@@ -45,6 +45,17 @@ def restarts_metric(port: int) -> dict[str, float]:
     }
 
 
+def counter_samples(port: int) -> dict[tuple, float]:
+    """Every counter and histogram sample of /metrics, by (sample name, labels)."""
+    _, text = http_get(port, "/metrics")
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for f in text_string_to_metric_families(text)
+        if f.type in ("counter", "histogram")
+        for s in f.samples
+    }
+
+
 def wait_healthy(port: int, timeout_s: float = 60) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -83,10 +94,15 @@ def test_scheduler_and_front_door_restarts_keep_requests_and_adapters(tmp_path):
         assert restarts_metric(port) == {"scheduler_proc": 1}, h.log()[-4000:]
 
         # the front door dies mid-decode: greedy clients resubmit and get the same tokens ...
+        seen = counter_samples(port)
         outs, chunks = run_round(h.endpoint, reqs, kill(h, "tokenizer_proc"))
         assert outs == ref, h.log()[-4000:]
         assert_streams_consistent(chunks)
         wait_healthy(port)
+        # ... and no counter a scraper saw goes back (the new front door carries the old one's over)
+        now = counter_samples(port)
+        back = {k: (v, now.get(k)) for k, v in seen.items() if now.get(k, -1.0) < v}
+        assert not back and now[("loom_generation_tokens_total", ())] > seen[("loom_generation_tokens_total", ())], back
         assert adapter_uids(h.endpoint) == uids
         assert restarts_metric(port) == {"scheduler_proc": 1, "tokenizer_proc": 1}, h.log()[-4000:]
 

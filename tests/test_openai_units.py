@@ -8,6 +8,7 @@ import asyncio
 import json
 import time
 
+import msgspec
 import pytest
 from loom_helpers import ListSink, make_args
 
@@ -533,3 +534,64 @@ def test_more_choices_than_the_server_ever_queues_is_a_400_not_a_503() -> None:
         routes._check_choices(4, "n=4")
     assert e.value.status == 400 and "n=4 asks for 4 generations" in str(e.value)
     assert "--max-queued-requests 3" in str(e.value)
+
+
+def test_front_door_metrics_carry_over_a_restart(tmp_path) -> None:
+    """A restarted front door (same cluster folder) exposes the old one's counters and histograms plus its own,
+    label sets only the old one saw included; the launcher's restart counts are not doubled; slot evictions go
+    on from the old total, counting the still-running scheduler's own count once."""
+    from types import SimpleNamespace
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from tokenizer_proc.metrics import Metrics
+
+    def door():
+        args = make_args(".", enable_lora=True, max_loras_per_batch=4)
+        eps = msgspec.structs.replace(args.endpoints, socket_dir=str(tmp_path))  # the cluster's folder
+        args = msgspec.structs.replace(args, endpoints=eps)
+        d = SimpleNamespace(pending={}, health=ClusterHealth(), args=args, registry=SimpleNamespace(loaded={}, refs={}))
+        m = Metrics()
+        m.watch(d)
+        return d, m
+
+    def scrape(m) -> dict:
+        fams = text_string_to_metric_families(m.exposition().decode())
+        return {(s.name, tuple(sorted(s.labels.items()))): s.value for f in fams for s in f.samples}
+
+    def beat(incarnation: str, evictions: int) -> SchedulerBeat:
+        return SchedulerBeat(incarnation, 1, slot_evictions=evictions)
+
+    d1, m1 = door()
+    m1.request_submitted(10, "a")
+    m1.tokens_delivered(5, 0.2, None)
+    m1.request_finished(1.0, "length")
+    d1.health.merge_restarts({"tokenizer_proc": 1})
+    d1.health.adapters_lost += 2
+    d1.health.on_beat(beat("s1", 3))
+    old = scrape(m1)
+    assert old[("loom_prompt_tokens_total", ())] == 10 and old[("loom_lora_slot_evictions_total", ())] == 3
+
+    d2, m2 = door()  # the launcher restarts the front door; the scheduler s1 still runs
+    d2.health.merge_restarts({"tokenizer_proc": 2})
+    d2.health.on_beat(beat("s1", 4))
+    m2.request_submitted(7, None)
+    m2.request_finished(0.5, "stop")
+    new = scrape(m2)
+    assert new[("loom_prompt_tokens_total", ())] == 17 and new[("loom_generation_tokens_total", ())] == 5
+    assert new[("loom_lora_requests_total", (("lora_name", "a"),))] == 1  # a label set only the old one saw
+    assert new[("loom_requests_total", (("finish_reason", "length"),))] == 1
+    assert new[("loom_requests_total", (("finish_reason", "stop"),))] == 1
+    assert new[("loom_e2e_request_latency_seconds_count", (("finish_reason", "length"),))] == 1
+    assert new[("loom_lora_adapters_lost_total", ())] == 2
+    assert new[("loom_process_restarts_total", (("process", "tokenizer_proc"),))] == 2  # the launcher's count
+    assert new[("loom_lora_slot_evictions_total", ())] == 4  # 3 seen before, 1 more by the same scheduler
+    assert all(new.get(k, -1) >= v for k, v in old.items() if "restarts" not in k[0]), "a sample went back"
+
+    d3, m3 = door()  # the front door and the scheduler both restarted
+    d3.health.on_beat(beat("s2", 1))
+    assert scrape(m3)[("loom_lora_slot_evictions_total", ())] == 5
+
+    (tmp_path / "front-door-metrics.json").write_text("{torn")
+    _, m4 = door()  # a torn file: start from zero, never fail
+    assert scrape(m4)[("loom_prompt_tokens_total", ())] == 0

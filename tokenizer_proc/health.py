@@ -30,6 +30,7 @@ class ClusterHealth:
     beat: SchedulerBeat | None = None  # the newest heartbeat
     beat_wall_time: float = 0.0  # time.time() when it arrived (vllm:lora_requests_info's value)
     evictions_before: int = 0  # slot evictions counted by schedulers before the current incarnation
+    _restored: tuple[int, str | None, int] | None = None  # a previous front door's count (restore_evictions)
 
     def merge_restarts(self, counts: dict[str, int]) -> None:
         """Take the launcher's restart counts (from whichever process forwards them; never go back)."""
@@ -40,8 +41,18 @@ class ClusterHealth:
         """Any message from the scheduler shows its loop runs."""
         self.last_heard = time.monotonic()
 
+    def restore_evictions(self, total: int, incarnation: str | None, current: int) -> None:
+        """A previous front door's slot-eviction ``total``, of which ``current`` were the then scheduler's
+        (``incarnation``): the first heartbeat tells whether that scheduler still runs (its count goes on) or
+        not (all of ``total`` is history)."""
+        self._restored = (total, incarnation, current)
+
     def on_beat(self, beat: SchedulerBeat) -> None:
         """Keep the newest heartbeat; a new scheduler incarnation starts counting evictions from zero again."""
+        if self.beat is None and self._restored is not None:
+            total, incarnation, current = self._restored
+            self.evictions_before = total - current if beat.incarnation == incarnation else total
+            self._restored = None
         if self.beat is not None and self.beat.incarnation != beat.incarnation:
             self.evictions_before += self.beat.slot_evictions
         self.beat = beat

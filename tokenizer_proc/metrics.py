@@ -15,6 +15,7 @@ Two kinds:
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any, Protocol
 
 from prometheus_client import (
@@ -29,6 +30,7 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from tokenizer_proc.health import ClusterHealth
+from tokenizer_proc.metrics_carry import STATE_FILE, CarryOver
 
 disable_created_metrics()  # no *_created series: half the exposition, and nothing here reads them
 
@@ -54,6 +56,7 @@ class Metrics:
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
+        self.carry: CarryOver | None = None  # set by watch()
         r = self.registry
         self.prompt_tokens = Counter("loom_prompt_tokens", "Prompt tokens of requests submitted", registry=r)
         self.generation_tokens = Counter("loom_generation_tokens", "Tokens generated and delivered", registry=r)
@@ -163,12 +166,23 @@ class Metrics:
 
     # ------------------------------------------------------------------ scrape
     def watch(self, door: Door) -> None:
-        """Add the scrape-time state of ``door`` (gauges, residency, failover counters)."""
+        """Add the scrape-time state of ``door`` (gauges, residency, failover counters), and carry the counters
+        of a previous front door of the same cluster over (:mod:`tokenizer_proc.metrics_carry`; its state file
+        lives in the cluster's socket folder, none without one)."""
         self.registry.register(DoorCollector(door))
+        endpoints = getattr(door.args, "endpoints", None)  # test doubles may have none
+        folder = endpoints.socket_dir if endpoints is not None else ""
+        self.carry = CarryOver(self.registry, Path(folder) / STATE_FILE if folder else None, door.health)
+        self._exposed = CollectorRegistry(auto_describe=False)
+        self._exposed.register(self.carry)
 
     def exposition(self) -> bytes:
-        """Everything in Prometheus' text format (``CONTENT_TYPE``)."""
-        return generate_latest(self.registry)
+        """Everything in Prometheus' text format (``CONTENT_TYPE``); what it shows is saved for a successor."""
+        if self.carry is None:
+            return generate_latest(self.registry)
+        text = generate_latest(self._exposed)
+        self.carry.save()
+        return text
 
 
 class FailoverCollector:

@@ -41,7 +41,6 @@ from tokenizer_proc.http_io import (
     sse_event,
 )
 from tokenizer_proc.text import ChatTemplateError
-from tokenizer_proc.token_bytes import TokenBytes
 from tokenizer_proc.validate import BadRequest, PromptTooLong, validate_sampling
 
 if TYPE_CHECKING:
@@ -115,7 +114,7 @@ class OpenAIRoutes:
         self.door = door
         self.created = int(time.time())
         self.base_id = door.args.served_model_name or DEFAULT_BASE_ID
-        self.token_bytes = TokenBytes(door.codec.tok).bytes_of
+        self.token_bytes: Callable[[int], bytes] = lambda tok: door.codec.token_bytes(tok)
 
     def routes(self) -> list[Route]:
         """The Starlette routes."""

@@ -18,6 +18,8 @@ from pathlib import Path
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Tokenizer
 
+from tokenizer_proc.token_bytes import TokenBytes
+
 
 class ChatTemplateError(ValueError):
     """The model has no chat template, or rendering it failed; the message says which."""
@@ -64,6 +66,7 @@ class TextCodec:
             env.globals["raise_exception"] = _raise
             self._template = env.from_string(template)
         self.max_token_chars = self._longest_token_chars()
+        self._token_bytes: TokenBytes | None = None  # built on the first logprobs request
 
     def _longest_token_chars(self) -> int:
         """Most characters of text one token can stand for (decoded, and as written in the vocab)."""
@@ -82,6 +85,12 @@ class TextCodec:
     def encode_plain(self, text: str) -> list[int]:
         """Token ids of ``text`` with special-token text tokenized as ordinary characters."""
         return self._plain_tok.encode_batch([text], add_special_tokens=False)[0].ids
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The raw bytes token ``token_id`` adds to the output (:class:`~tokenizer_proc.token_bytes.TokenBytes`)."""
+        if self._token_bytes is None:
+            self._token_bytes = TokenBytes(self.tok)
+        return self._token_bytes.bytes_of(token_id)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text of ``ids``; special tokens are dropped unless ``skip_special_tokens`` is False."""
