@@ -242,9 +242,40 @@ def absolute_paths(ns: argparse.Namespace) -> None:
         os.environ["LOOM_CACHE_DIR"] = ab(os.environ["LOOM_CACHE_DIR"])
 
 
+class FlagError(ValueError):
+    """A flag value no cluster could serve with; the message names the flag (launch exits 2 with it)."""
+
+
+MIN_TOTAL_TOKENS = 16  # a KV cache smaller than this holds no useful request
+
+
+def check_sizes(ns: argparse.Namespace) -> None:
+    """Refuse sizing flags that could only give a server that refuses everything (or fails to start).
+
+    Raises:
+        FlagError: naming the flag and the value.
+    """
+    if ns.max_total_tokens and ns.max_total_tokens < MIN_TOTAL_TOKENS:
+        raise FlagError(
+            f"--max-total-tokens {ns.max_total_tokens}: the KV cache must hold at least {MIN_TOTAL_TOKENS} tokens "
+            "(0 = size it from memory)"
+        )
+    for flag, value in (("--max-total-tokens", ns.max_total_tokens), ("--context-length", ns.context_length)):
+        if value < 0:
+            raise FlagError(f"{flag} {value}: must be 0 (the default) or positive")
+    if ns.enable_lora and ns.max_loras_per_batch < 1:
+        raise FlagError(f"--max-loras-per-batch {ns.max_loras_per_batch}: LoRA needs at least one slot per rank")
+    if ns.context_length and ns.max_total_tokens and ns.context_length > ns.max_total_tokens:
+        log.warning(
+            "--context-length %d is more than --max-total-tokens %d: a request is capped at %d tokens",
+            ns.context_length, ns.max_total_tokens, ns.max_total_tokens,
+        )  # fmt: skip
+
+
 def to_server_args(ns: argparse.Namespace) -> ServerArgs:
     """Resolve the model (converting a GGUF once) and build the config tree every process gets."""
     served_as_given = ns.served_model_name or ns.model_path or DEFAULT_SERVED_MODEL_NAME
+    check_sizes(ns)
     absolute_paths(ns)
     model_dir = resolve_model_path(ns.model_path)
     cfg = load_model_config(model_dir)  # unsupported configs fail here, before any process starts
@@ -646,7 +677,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s launch %(levelname)s %(message)s")
     try:
         args = to_server_args(ns)
-    except (ModelSourceError, UnsupportedModelError) as e:
+    except (ModelSourceError, UnsupportedModelError, FlagError) as e:
         log.error("%s", e)
         return 2
     signal.signal(signal.SIGINT, _on_signal)

@@ -97,6 +97,23 @@ def test_lora_paths_flag_forms():
     assert got == [("a", "/x/y", False), ("named-by-folder", "/p/q/named-by-folder", False), ("pin", "/z", True)]
 
 
+@pytest.mark.parametrize(
+    ("flags", "text"),
+    [
+        (["--enable-lora", "--max-loras-per-batch", "0"], "--max-loras-per-batch 0: LoRA needs at least one slot"),
+        (["--max-total-tokens", "1"], "--max-total-tokens 1: the KV cache must hold at least 16 tokens"),
+        (["--context-length", "-5"], "--context-length -5: must be 0 (the default) or positive"),
+    ],
+)
+def test_sizing_flags_no_server_could_use_exit_2_naming_the_flag(flags, text, caplog):
+    """They used to start a server that refuses every request (--max-total-tokens 1) or a worker that crashed
+    with an internal error (--max-loras-per-batch 0)."""
+    from launch import main
+
+    assert main(flags) == 2
+    assert text in caplog.text
+
+
 def test_a_name_given_twice_in_lora_paths_stops_launch_naming_it(tmp_path):
     from launch import build_parser, to_server_args
 
