@@ -438,6 +438,11 @@ class Scheduler:
             rows.append((r, "decode"))
         if not plan and budget < self.max_prefill_tokens:  # no stream decodes this step: nothing to keep smooth
             budget = self.max_prefill_tokens
+        elif plan and len(self.waiting) > len(plan):
+            # a burst waits behind few streams: the chunk grows with how far the waiting requests outnumber the
+            # decoding ones (at most max_prefill_tokens), so a burst starts in a few steps rather than one chunk
+            # per step while most of the batch sits idle; with as many streams as waiting requests it is the chunk
+            budget = max(budget, min(self.max_prefill_tokens, budget * len(self.waiting) / len(plan)))
         prefilling.sort(key=lambda r: r.arrival)
         for r in prefilling:  # requests part-way through their prefill go first
             if budget <= 0:

@@ -269,6 +269,27 @@ def test_a_burst_with_no_stream_running_is_prefilled_in_one_step():
     check_accounting(s)
 
 
+def test_a_burst_behind_few_streams_gets_a_larger_chunk():
+    """Waiting requests that outnumber the decoding streams k to 1 get k chunks' worth of tokens in a step (at
+    most --max-prefill-tokens): 64 requests arriving while one streams used to start 64 tokens a step."""
+    s = make(chunk=16, cache=False, max_prefill=200, max_running=16)
+    s.add(req("stream", [5, 6, 7], max_new=50))
+    step(s)
+    for i in range(8):
+        s.add(req(f"b{i}", list(range(100 + 20 * i, 120 + 20 * i)), max_new=3))  # 8 x 20 tokens
+    fb, _ = step(s)  # 8 waiting, 1 decoding: 16 x 8 = 128 tokens
+    burst = [r for r in fb.reqs if r.rid != "stream"]
+    assert sum(len(r.input_ids) for r in burst) == 128 and len(burst) == 7
+    fb, _ = step(s)  # one waiting (b7), seven streams: a chunk again
+    assert sum(len(r.input_ids) for r in fb.reqs if r.rid in ("b6", "b7")) == 16
+    s.add(req("late", list(range(900, 940)), max_new=2))
+    for _ in range(4):
+        fb, _ = step(s)
+        assert sum(len(r.input_ids) for r in fb.reqs if r.rid == "late") <= 16  # one waiting, many streams
+    run_all(s)
+    check_accounting(s)
+
+
 def test_chunk_rows_do_not_sample_with_the_requests_params():
     s = make(chunk=8, cache=False)
     s.add(
