@@ -438,11 +438,13 @@ class Scheduler:
             rows.append((r, "decode"))
         if not plan and budget < self.max_prefill_tokens:  # no stream decodes this step: nothing to keep smooth
             budget = self.max_prefill_tokens
-        elif plan and len(self.waiting) > len(plan):
+        elif plan and self.chunked_prefill_size > 0 and len(self.waiting) > len(plan):
             # a burst waits behind few streams: the chunk grows with how far the waiting requests outnumber the
             # decoding ones (at most max_prefill_tokens), so a burst starts in a few steps rather than one chunk
             # per step while most of the batch sits idle; with as many streams as waiting requests it is the chunk
-            budget = max(budget, min(self.max_prefill_tokens, budget * len(self.waiting) / len(plan)))
+            # (whole tokens: a fractional budget left over would plan an empty chunk)
+            grown = self.chunked_prefill_size * len(self.waiting) // len(plan)
+            budget = max(budget, min(self.max_prefill_tokens, grown))
         prefilling.sort(key=lambda r: r.arrival)
         for r in prefilling:  # requests part-way through their prefill go first
             if budget <= 0:
