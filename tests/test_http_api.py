@@ -297,6 +297,7 @@ def duration_count(m: dict, path: str, outcome: str) -> float:
 
 @slow
 def test_metrics(server: Cluster) -> None:
+    assert call(server.port, "GET", "/health")[0] == 200  # counted below, whichever tests ran before
     status, headers, data = call(server.port, "GET", "/metrics")
     assert status == 200 and headers["content-type"].startswith("text/plain")
     m = scrape(server.port)
