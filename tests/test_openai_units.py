@@ -185,6 +185,14 @@ def test_logprobs_of_pieces_of_a_character(model_path) -> None:
         before = b"".join(tb.bytes_of(t) for t in ids[:k])
         assert off == len(before.decode("utf-8", errors="ignore"))
     assert legacy.text_offset[-1] == len(text) - 1  # "!" is the last token
+    # a stream feeds one counter chunk by chunk (never decoding earlier tokens again): the same offsets
+    from tokenizer_proc.token_bytes import TextOffsets
+
+    counter, streamed = TextOffsets(), []
+    for start, end in ((0, 1), (1, 4), (4, len(ids))):
+        part = MetaInfo("r", 1, end, output_token_logprobs=[(-0.1, t) for t in ids[:end]])
+        streamed += oa.completion_logprobs(part, start, False, tb.bytes_of, counter).text_offset
+    assert streamed == legacy.text_offset
 
 
 # ----------------------------------------------------------------------------- the front door

@@ -29,7 +29,7 @@ STATE_FILE = "front-door-metrics.json"
 NOT_CARRIED = frozenset({"loom_process_restarts", "loom_lora_slot_evictions"})
 _CARRIED_TYPES = ("counter", "histogram")
 
-Key = tuple[str, str, tuple[tuple[str, str], ...]]  # (family, sample name, sorted labels)
+Key = tuple[str, tuple[tuple[str, str], ...]]  # (sample name, sorted labels)
 
 
 class CarryOver:
@@ -41,7 +41,7 @@ class CarryOver:
 
     def __init__(self, source: CollectorRegistry, path: Path | None, health: ClusterHealth) -> None:
         self.source, self.path, self.health = source, path, health
-        self.carried: dict[Key, float] = {}
+        self.carried: dict[str, dict[Key, float]] = {}  # family -> its samples' values
         self._exposed: list[Metric] = []
         if path is not None and path.is_file():
             self._load(path)
@@ -50,14 +50,15 @@ class CarryOver:
         try:
             state = json.loads(path.read_text())
             for family, name, labels, value in state["samples"]:
-                self.carried[(family, name, tuple(sorted(labels.items())))] = float(value)
+                self.carried.setdefault(family, {})[(name, tuple(sorted(labels.items())))] = float(value)
             total, incarnation, current = state["evictions"]
             self.health.restore_evictions(int(total), incarnation, int(current))
         except (OSError, ValueError, KeyError, TypeError) as e:  # a torn or foreign file: start from zero
             self.carried.clear()
             log.warning("front-door metrics of the previous incarnation not carried over (%s): %s", path, e)
             return
-        log.info("front-door metrics carried over from the previous incarnation (%d samples)", len(self.carried))
+        n = sum(map(len, self.carried.values()))
+        log.info("front-door metrics carried over from the previous incarnation (%d samples)", n)
 
     def describe(self) -> list[Metric]:
         """Nothing to describe ahead (so registering does not collect)."""
@@ -68,23 +69,12 @@ class CarryOver:
         this incarnation has not seen yet)."""
         exposed = []
         for fam in self.source.collect():
-            if fam.type in _CARRIED_TYPES and fam.name not in NOT_CARRIED and self.carried:
-                fam = self._add_carried(fam)
+            carried = self.carried.get(fam.name) if fam.type in _CARRIED_TYPES else None
+            if carried:
+                fam = _add_carried(fam, carried)
             exposed.append(fam)
             yield fam
         self._exposed = exposed
-
-    def _add_carried(self, fam: Metric) -> Metric:
-        out = Metric(fam.name, fam.documentation, fam.type, fam.unit)
-        seen = set()
-        for s in fam.samples:
-            key = (fam.name, s.name, tuple(sorted(s.labels.items())))
-            seen.add(key)
-            out.add_sample(s.name, s.labels, s.value + self.carried.get(key, 0.0), s.timestamp, s.exemplar)
-        for key, value in self.carried.items():
-            if key[0] == fam.name and key not in seen:
-                out.add_sample(key[1], dict(key[2]), value)
-        return out
 
     def save(self) -> None:
         """Write the counters and histograms of the last exposition (atomically: a crash leaves the old file)."""
@@ -107,6 +97,20 @@ class CarryOver:
             with contextlib.suppress(OSError):
                 tmp.unlink()
             log.debug("front-door metrics not saved: %s", e)
+
+
+def _add_carried(fam: Metric, carried: dict[Key, float]) -> Metric:
+    """``fam`` with ``carried`` added to its samples, and the carried label sets it lacks appended."""
+    out = Metric(fam.name, fam.documentation, fam.type, fam.unit)
+    seen = set()
+    for s in fam.samples:
+        key = (s.name, tuple(sorted(s.labels.items())))
+        seen.add(key)
+        out.add_sample(s.name, s.labels, s.value + carried.get(key, 0.0), s.timestamp, s.exemplar)
+    for (name, labels), value in carried.items():
+        if (name, labels) not in seen:
+            out.add_sample(name, dict(labels), value)
+    return out
 
 
 def _samples(families: Iterable[Metric]) -> Iterator[list]:

@@ -18,7 +18,7 @@ import msgspec
 from ipc.lora_config import MODEL_ADAPTER_SEPARATOR
 from ipc.messages import FinishReason, MetaInfo, SamplingParams
 from tokenizer_proc.http_io import HttpError
-from tokenizer_proc.token_bytes import text_offsets, token_string
+from tokenizer_proc.token_bytes import TextOffsets, token_string
 from tokenizer_proc.validate import CHAT_ROLES
 
 MAX_N = 64  # choices per request
@@ -524,18 +524,22 @@ def chat_logprobs(meta: MetaInfo, start: int, end: int | None, token_bytes: Toke
 
 
 def completion_logprobs(
-    meta: MetaInfo, start: int, want_top: bool, token_bytes: TokenBytesOf
+    meta: MetaInfo, start: int, want_top: bool, token_bytes: TokenBytesOf, offsets: TextOffsets | None = None
 ) -> CompletionLogprobs | None:
     """The legacy completions ``logprobs`` of tokens from ``start`` (None when meta_info carries no logprobs);
-    ``text_offset`` counts the output text's characters before each token (:func:`text_offsets`)."""
+    ``text_offset`` counts the output text's characters before each token. ``offsets``: a stream's counter,
+    which has seen tokens ``[0, start)`` (a fresh one, or one that has not, starts again from token 0)."""
     lps = meta.output_token_logprobs
     if lps is None:
         return None
-    pieces = [token_bytes(tok) for _, tok in lps]
-    offsets = text_offsets(pieces)[start:]
+    if offsets is None or offsets.tokens != start:
+        offsets = TextOffsets()
+        offsets.feed(token_bytes(tok) for _, tok in lps[:start])
     tokens, values, tops = [], [], []
-    for i in range(start, len(lps)):
-        tokens.append(token_string(pieces[i]))
+    pieces = [token_bytes(tok) for _, tok in lps[start:]]
+    for i, raw in enumerate(pieces, start):
+        tokens.append(token_string(raw))
         values.append(lps[i][0])
         tops.append({token_string(token_bytes(t)): v for v, t in _top(meta, i)})
-    return CompletionLogprobs(tokens, values, tops if want_top else None, offsets)
+    offsets_out = offsets.feed(pieces)
+    return CompletionLogprobs(tokens, values, tops if want_top else None, offsets_out)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -41,6 +41,7 @@ from tokenizer_proc.http_io import (
     sse_event,
 )
 from tokenizer_proc.text import ChatTemplateError
+from tokenizer_proc.token_bytes import TextOffsets
 from tokenizer_proc.validate import BadRequest, PromptTooLong, validate_sampling
 
 if TYPE_CHECKING:
@@ -102,6 +103,7 @@ class Cursor:
     chars: int = 0
     tokens: int = 0
     finished: bool = False
+    offsets: TextOffsets = field(default_factory=TextOffsets)  # completions' text_offset, fed as tokens are sent
     completion_tokens: int = 0
     prompt_tokens: int = 0
     cached_tokens: int = 0
@@ -433,7 +435,7 @@ class OpenAIRoutes:
                 out.append(chat_chunk(oa.ChatChunkChoice(i, oa.Delta(), None, reason)))
         else:
             lp = (
-                oa.completion_logprobs(meta, cur.tokens, call.want_top, self.token_bytes)
+                oa.completion_logprobs(meta, cur.tokens, call.want_top, self.token_bytes, cur.offsets)
                 if call.want_logprobs
                 else None
             )

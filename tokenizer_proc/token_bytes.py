@@ -12,6 +12,7 @@ from __future__ import annotations
 import codecs
 import json
 import re
+from collections.abc import Iterable
 
 from tokenizers import Tokenizer
 
@@ -92,13 +93,22 @@ def token_string(raw: bytes) -> str:
         return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
 
 
-def text_offsets(pieces: list[bytes]) -> list[int]:
-    """For each token, the characters of output text before it: the text of all earlier tokens' bytes, counting
-    only whole characters (a token inside a multi-byte character starts where that character does) and each
-    invalid byte as one U+FFFD, as the detokenizer writes it."""
-    dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
-    offsets, chars = [], 0
-    for raw in pieces:
-        offsets.append(chars)
-        chars += len(dec.decode(raw))
-    return offsets
+class TextOffsets:
+    """Completions' ``text_offset``: for each token, the characters of output text before it, counting only whole
+    characters (a token inside a multi-byte character starts where that character does) and each invalid byte as
+    one U+FFFD, as the detokenizer writes it. Incremental: a stream keeps one per choice and feeds it each
+    chunk's new tokens, so no chunk decodes the earlier ones again."""
+
+    def __init__(self) -> None:
+        self._dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.chars = 0  # characters of the tokens fed so far
+        self.tokens = 0  # tokens fed so far
+
+    def feed(self, pieces: Iterable[bytes]) -> list[int]:
+        """The offsets of the next tokens (their bytes ``pieces``), in order."""
+        offsets = []
+        for raw in pieces:
+            offsets.append(self.chars)
+            self.chars += len(self._dec.decode(raw))
+            self.tokens += 1
+        return offsets
