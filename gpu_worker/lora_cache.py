@@ -20,9 +20,11 @@ class CacheKey(msgspec.Struct, frozen=True, order=True):
     which: str  # "A", "B", or "B32" (B packed in 32-column blocks for the C kernel)
     tp_rank: int
     tp_size: int
+    layers: int = 1  # the tensor stacks layers layer .. layer + layers - 1 on dim 0 (1: one layer's matrix)
 
     def __str__(self) -> str:
-        return f"({self.uid}, layer {self.layer}, {self.module}.lora_{self.which}, tp {self.tp_rank}/{self.tp_size})"
+        where = f"layer {self.layer}" if self.layers == 1 else f"layers {self.layer}-{self.layer + self.layers - 1}"
+        return f"({self.uid}, {where}, {self.module}.lora_{self.which}, tp {self.tp_rank}/{self.tp_size})"
 
 
 class LoraCacheCollision(RuntimeError):
@@ -35,6 +37,7 @@ class HostWeightCache:
     def __init__(self, pin: bool | None = None) -> None:
         self.pin = torch.cuda.is_available() if pin is None else pin
         self._t: dict[CacheKey, torch.Tensor] = {}
+        self._by_uid: dict[str, set[CacheKey]] = {}  # so dropping an adapter does not scan every key
 
     def _check(self, key: CacheKey, cached: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> None:
         if tuple(cached.shape) != tuple(shape) or cached.dtype != dtype:
@@ -52,6 +55,7 @@ class HostWeightCache:
         if self.pin and not host.is_pinned():
             host = host.pin_memory()
         self._t[key] = host
+        self._by_uid.setdefault(key.uid, set()).add(key)
         return host
 
     def get(self, key: CacheKey, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -62,7 +66,7 @@ class HostWeightCache:
 
     def drop_uid(self, uid: str) -> None:
         """Forget every tensor of adapter ``uid``."""
-        for k in [k for k in self._t if k.uid == uid]:
+        for k in self._by_uid.pop(uid, ()):
             del self._t[k]
 
     def __len__(self) -> int:

@@ -35,23 +35,25 @@ def b_row_elems(fout: int) -> int:
 
 
 def pack_b(b: torch.Tensor, dst: torch.Tensor) -> int:
-    """Write expand weights ``b`` ``[out, r]`` into a slot buffer ``dst`` (1-D) in the kernel's layout; returns
-    the elements used.
+    """Write expand weights ``b`` ``[..., out, r]`` into slot buffers ``dst`` ``[..., elems]`` in the kernel's
+    layout (leading dims, e.g. layers, are packed independently); returns the elements used per matrix.
 
     The layout is column blocks of :data:`BLOCK_COLS`, each holding all r ranks (zero past ``out``): fp32
     j-major ``[nblocks, r, BLOCK_COLS]``; bf16 in rank pairs ``[nblocks, ceil(r / 2), BLOCK_COLS, 2]`` (the
     "VNNI" layout of AMX and vdpbf16ps; an odd r gets a zero rank).
     """
-    fout, r = b.shape
+    *lead, fout, r = b.shape
     nb = -(-fout // BLOCK_COLS)
-    bt = F.pad(b.T, (0, nb * BLOCK_COLS - fout))  # [r, nb * BLOCK_COLS]
+    bt = F.pad(b.transpose(-1, -2), (0, nb * BLOCK_COLS - fout))  # [..., r, nb * BLOCK_COLS]
     n = packed_elems(fout, r, dst.dtype == torch.bfloat16)
     if dst.dtype == torch.bfloat16:
         rp = (r + 1) // 2
-        bt = F.pad(bt, (0, 0, 0, 2 * rp - r)).view(rp, 2, nb, BLOCK_COLS).permute(2, 0, 3, 1)
-        dst[:n].view(nb, rp, BLOCK_COLS, 2).copy_(bt)
+        bt = F.pad(bt, (0, 0, 0, 2 * rp - r)).view(*lead, rp, 2, nb, BLOCK_COLS)
+        k = len(lead)
+        bt = bt.permute(*range(k), k + 2, k, k + 3, k + 1)
+        dst[..., :n].view(*lead, nb, rp, BLOCK_COLS, 2).copy_(bt)
     else:
-        dst[:n].view(nb, r, BLOCK_COLS).copy_(bt.view(r, nb, BLOCK_COLS).transpose(0, 1))
+        dst[..., :n].view(*lead, nb, r, BLOCK_COLS).copy_(bt.view(*lead, r, nb, BLOCK_COLS).transpose(-3, -2))
     return n
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -66,7 +66,8 @@ class LoraPoolError(RuntimeError):
 
 @dataclass
 class HostAdapter:
-    """An adapter in this rank's host tier: its (layer, module) -> rank map; tensors live in the cache."""
+    """An adapter in this rank's host tier: its (layer, module) -> rank map and its runs (module, first layer,
+    layers, rank), each one cache entry per A and B stacking those layers; tensors live in the cache."""
 
     uid: str
     name: str
@@ -75,6 +76,7 @@ class HostAdapter:
     content_hash: str = ""
     path: str = ""
     rows: int = 0  # rank rows it takes in a slot (:func:`lora_rows` of its largest rank)
+    runs: list[tuple[str, int, int, int]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.rows = lora_rows(max(self.ranks.values(), default=0))
@@ -282,10 +284,10 @@ class LoraPool:
             )
         acfg = read_adapter_config(path, name, tie_word_embeddings=self.cfg.tie_word_embeddings)
         weights = read_adapter(path, name, acfg, self.cfg, self.plan, self.max_rank, self.dtype, data)
-        extra = sorted({m for (_, m) in weights} - set(self.targets))
+        extra = sorted({run.module for run in weights} - set(self.targets))
         if extra:
             raise LoraPoolError(f"LoRA adapter {name} targets {extra}, outside --lora-target-modules {self.targets}")
-        ranks = {k: a.shape[0] for k, (a, _) in weights.items()}
+        ranks = {(layer, run.module): run.r for run in weights for layer in run.layers}
         rows = lora_rows(max(ranks.values(), default=0))
         if pinned and self._pinned_rows() + rows + self.slot_size > self.capacity:
             raise LoraPoolError(
@@ -295,20 +297,21 @@ class LoraPool:
             )
         tp = (self.plan.rank, self.plan.tp_size)
         try:
-            for (layer, m), (a, b) in weights.items():
-                self.cache.put(CacheKey(uid, layer, m, "A", *tp), a)
+            for run in weights:
+                n = len(run.layers)
+                self.cache.put(CacheKey(uid, run.first, run.module, "A", *tp, n), run.a)
                 if self.sgmv is None:
-                    self.cache.put(CacheKey(uid, layer, m, "B", *tp), b)
-                else:  # packed once here, so placing it in a slot (every warm load) is one copy
-                    packed = torch.empty(
-                        packed_elems(b.shape[0], b.shape[1], self.dtype == torch.bfloat16), dtype=b.dtype
-                    )
-                    pack_b(b, packed)
-                    self.cache.put(CacheKey(uid, layer, m, "B32", *tp), packed)
+                    self.cache.put(CacheKey(uid, run.first, run.module, "B", *tp, n), run.b)
+                else:  # packed once here, so placing it in a slot (every warm load) is one copy per run
+                    fout = run.b.shape[1]
+                    packed = torch.empty(n, packed_elems(fout, run.r, self.dtype == torch.bfloat16), dtype=run.b.dtype)
+                    pack_b(run.b, packed)
+                    self.cache.put(CacheKey(uid, run.first, run.module, "B32", *tp, n), packed)
         except Exception:
             self.cache.drop_uid(uid)
             raise
-        self.host[uid] = HostAdapter(uid, name, pinned, ranks, content_hash, str(path))
+        runs = [(run.module, run.first, len(run.layers), run.r) for run in weights]
+        self.host[uid] = HostAdapter(uid, name, pinned, ranks, content_hash, str(path), runs=runs)
         if pinned:
             self._ensure_slot(uid, protected=())
         return content_hash
@@ -365,23 +368,30 @@ class LoraPool:
         self.start_tab[s] = start
 
     def _write_slot(self, s: int, uid: str) -> None:
-        """Copy ``uid``'s shards into slot ``s`` (placed, rows zeroed); modules it lacks get rank 0."""
+        """Copy ``uid``'s shards into slot ``s`` (placed, rows zeroed); modules it lacks get rank 0.
+
+        One copy per run of layers for A and one for B (typically two per target module), not per layer."""
         ad = self.host[uid]
         tp = (self.plan.rank, self.plan.tp_size)
         nb = self.device.type == "cuda"
         start = self.slot_start[s]
         self._set_ranks(s, ad.ranks)
-        for (layer, m), r in sorted(ad.ranks.items()):
+        for m, first, n, r in ad.runs:
             fin, fout = self._local_dims(m)
-            a = self.cache.get(CacheKey(uid, layer, m, "A", *tp), (r, fin), self.dtype)
-            self.A[layer][m][start : start + r].copy_(a, non_blocking=nb)
-            dst = self._b_region(layer, m, start, self.slot_rows[s])
+            f = MODULE_FUSED[m]
+            mods = self.fused_targets[f]
+            a = self.cache.get(CacheKey(uid, first, m, "A", *tp, n), (n, r, fin), self.dtype)
+            arena = self.A_all[f][first : first + n, : self.capacity * len(mods)]
+            arena.view(n, self.capacity, len(mods), fin)[:, start : start + r, mods.index(m)].copy_(a, non_blocking=nb)
+            b_all = self.B_all[m][first : first + n]
             if self.sgmv is None:
-                b = self.cache.get(CacheKey(uid, layer, m, "B", *tp), (fout, r), self.dtype)
-                dst[:r].copy_(b.T, non_blocking=nb)
+                b = self.cache.get(CacheKey(uid, first, m, "B", *tp, n), (n, fout, r), self.dtype)
+                b_all[:, start : start + r].copy_(b.transpose(1, 2), non_blocking=nb)
             else:  # packed at rank r at load (see _b_shape)
-                n = packed_elems(fout, r, self.dtype == torch.bfloat16)
-                dst[:n].copy_(self.cache.get(CacheKey(uid, layer, m, "B32", *tp), (n,), self.dtype))
+                k = packed_elems(fout, r, self.dtype == torch.bfloat16)
+                e = b_row_elems(fout)
+                b = self.cache.get(CacheKey(uid, first, m, "B32", *tp, n), (n, k), self.dtype)
+                b_all[:, start * e : start * e + k].copy_(b, non_blocking=nb)
 
     def _gap(self, need: int) -> int | None:
         """First rank row of the lowest gap of ``need`` free rows, or None."""

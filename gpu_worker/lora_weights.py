@@ -6,9 +6,11 @@ file, tensor or field that is wrong. ``.bin`` (pickle) files are never opened.
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from pathlib import Path
+from typing import NamedTuple
 
 import safetensors.torch
 import torch
@@ -55,6 +57,24 @@ def shard_range(cfg: ModelConfig, plan: ShardPlan, module: str) -> tuple[int, in
     return plan.ffn
 
 
+class ModuleRun(NamedTuple):
+    """One module's weights over consecutive layers of equal rank, stacked on dim 0 (this rank's shard).
+
+    ``a`` is ``[layers, r, in_local]`` and ``b`` ``[layers, out_local, r]`` (scaling folded in), both in the
+    pool's dtype; ``first`` is the first layer."""
+
+    module: str
+    first: int
+    r: int
+    a: torch.Tensor
+    b: torch.Tensor
+
+    @property
+    def layers(self) -> range:
+        """The layers the run covers."""
+        return range(self.first, self.first + self.a.shape[0])
+
+
 def read_adapter(
     folder: str | Path,
     name: str,
@@ -64,14 +84,16 @@ def read_adapter(
     max_rank: int,
     dtype: torch.dtype,
     data: bytes | None = None,
-) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
-    """Return ``{(layer, module): (A, B)}`` for this rank, CPU tensors in ``dtype``.
+) -> list[ModuleRun]:
+    """Return this rank's shard of the adapter as :class:`ModuleRun` s (CPU tensors in ``dtype``), sorted by
+    module and first layer: each run stacks one module's ``A`` ``[r, in_local]`` and ``B`` ``[out_local, r]``
+    (the module's scaling folded into ``B``) over consecutive layers of the same rank, so a typical adapter is
+    one run per target module and loading it takes a few tensor operations per module, not a few per layer.
 
     ``data`` is the weights file's content when the caller read it already (to hash the same bytes it loads);
     otherwise the file is read here. Tensors are deserialised from those bytes in one call (never mapped: a
     file rewritten while Loom serves cannot change or SIGBUS it).
 
-    ``A`` is ``[r, in_local]`` and ``B`` ``[out_local, r]`` with the module's scaling folded into ``B``.
     Column layers (q/k/v/gate/up) keep A whole and split B by output rows (q/k/v by the same KV-group split
     as the base weights); row layers (o/down) split A by input columns and keep B whole (S-LoRA §5).
 
@@ -114,9 +136,8 @@ def read_adapter(
         found.setdefault((layer, module), {})[ab] = key
     if not found:
         raise LoraWeightsError(f"LoRA adapter {name}: {path.name} holds no LoRA weights")
-    out: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
-    sums: list[torch.Tensor] = []
-    names: list[str] = []
+    dims = {m: module_dims(cfg, m) for m in LLAMA_LORA_MODULES}
+    per_module: dict[str, list[tuple[int, int, str, str, float]]] = {}  # (layer, r, A key, B key, scaling)
     for (layer, module), ab in sorted(found.items()):
         if set(ab) != {"A", "B"}:
             missing = "B" if "A" in ab else "A"
@@ -129,7 +150,7 @@ def read_adapter(
                     "; LoRA weights must be floating point (float32, bfloat16, float16, ...): integer, bool and "
                     "quantised adapter tensors are refused, never cast"
                 )
-        fin, fout = module_dims(cfg, module)
+        fin, fout = dims[module]
         r = a.shape[0] if a.dim() == 2 else -1
         if a.dim() != 2 or a.shape[1] != fin:
             raise LoraWeightsError(
@@ -153,21 +174,41 @@ def read_adapter(
             )
         if r > max_rank:
             raise LoraWeightsError(f"LoRA adapter {name}: tensor {ab['A']} has rank {r} > --max-lora-rank {max_rank}")
-        sums.append(a.sum(dtype=torch.float32) + b.sum(dtype=torch.float32))
-        names.append(f"{ab['A']} or {ab['B']}")
         scale = acfg.scaling_for(mpath)
         if not math.isfinite(scale):
             raise LoraWeightsError(f"LoRA adapter {name}: scaling for {mpath} is not finite")
+        per_module.setdefault(module, []).append((layer, r, ab["A"], ab["B"], scale))
+    # (module, first layer, rank) -> [(layer, A key, B key, scaling)]: consecutive layers of one rank
+    runs: dict[tuple[str, int, int], list[tuple[int, str, str, float]]] = {}
+    for module, entries in sorted(per_module.items()):
+        run: list | None = None
+        for layer, r, ka, kb, scale in entries:
+            if run is None or run[-1][0] != layer - 1 or tensors[run[-1][1]].shape[0] != r:
+                run = runs[(module, layer, r)] = []
+            run.append((layer, ka, kb, scale))
+    out: list[ModuleRun] = []
+    sums: list[torch.Tensor] = []
+    for (module, first, r), items in runs.items():
+        # one dtype per stack (a file may mix them); a no-op for the usual single-dtype file
+        common = functools.reduce(torch.promote_types, [tensors[k].dtype for _, ka, kb, _ in items for k in (ka, kb)])
+        a = torch.stack([tensors[ka].to(common) for _, ka, _, _ in items])  # [layers, r, in]
+        b = torch.stack([tensors[kb].to(common) for _, _, kb, _ in items])  # [layers, out, r]
+        # one fp32 sum per layer's pair: a NaN/Inf anywhere (or an overflowing magnitude) makes it non-finite
+        sums.append(a.sum(dim=(1, 2), dtype=torch.float32) + b.sum(dim=(1, 2), dtype=torch.float32))
+        scales = [s for *_, s in items]
+        scale: float | torch.Tensor = scales[0]
+        if any(s != scales[0] for s in scales):  # alpha_pattern / rank_pattern per layer
+            scale = torch.tensor(scales, dtype=torch.float32).view(-1, 1, 1)
         lo, hi = shard_range(cfg, plan, module)
         if module in COLUMN_MODULES:
-            a_loc, b_loc = a, b[lo:hi]
+            a_loc, b_loc = a, b[:, lo:hi]
         else:
-            a_loc, b_loc = a[:, lo:hi], b
-        out[(layer, module)] = (a_loc.to(dtype).contiguous(), (b_loc.float() * scale).to(dtype).contiguous())
-    # one reduction per tensor pair: a NaN/Inf anywhere (or an overflowing magnitude) makes the sum non-finite;
-    # checked once for all of them (one sync, not one per tensor)
-    finite = torch.stack(sums).isfinite()
+            a_loc, b_loc = a[:, :, lo:hi], b
+        out.append(ModuleRun(module, first, r, a_loc.to(dtype).contiguous(), (b_loc.float() * scale).to(dtype)))
+    # checked once for all of them (one sync, not one per tensor); the error names the first bad pair
+    finite = torch.cat(sums).isfinite()
     if not bool(finite.all()):
-        bad = names[int((~finite).nonzero()[0])]
-        raise LoraWeightsError(f"LoRA adapter {name}: {bad} holds NaN or Inf")
+        pairs = [(ka, kb) for items in runs.values() for _, ka, kb, _ in items]
+        bad = pairs[int((~finite).nonzero()[0])]
+        raise LoraWeightsError(f"LoRA adapter {name}: {bad[0]} or {bad[1]} holds NaN or Inf")
     return out

@@ -359,16 +359,27 @@ def test_cache_collision_on_shape_and_dtype():
     # keys that differ in the TP shard (or uid, module, A/B) are different entries, never collisions
     cache.put(CacheKey("u", 0, "q_proj", "A", 1, 2), torch.zeros(4, 32))
     cache.put(CacheKey("v", 0, "q_proj", "A", 0, 1), torch.zeros(8, 64))
-    assert len(cache) == 3
+    # a stack of layers 0-1 is another entry than layer 0's matrix, and names its layers
+    stacked = CacheKey("u", 0, "q_proj", "A", 0, 1, layers=2)
+    cache.put(stacked, torch.zeros(2, 4, 64))
+    assert len(cache) == 4 and str(stacked) == "(u, layers 0-1, q_proj.lora_A, tp 0/1)"
+    with pytest.raises(LoraCacheCollision, match=r"layers 0-1.*new shape=\(4, 64\)"):
+        cache.get(stacked, (4, 64), torch.float32)
     cache.drop_uid("u")
+    assert len(cache) == 1
+    cache.drop_uid("u")  # idempotent
     assert len(cache) == 1
 
 
 def test_pool_slot_write_checks_cached_shape(adapters):
     pool = tiny_pool(slots=2)
     load(pool, adapters, "u0")
-    pool.host["u0"].ranks[(0, "q_proj")] = 3  # a bookkeeping bug: the cache holds rank 4
-    with pytest.raises(LoraCacheCollision, match=r"collision for \(u0, layer 0, q_proj\.lora_A, tp 0/1\)"):
+    runs = pool.host["u0"].runs
+    i = next(i for i, run in enumerate(runs) if run[0] == "q_proj")
+    m, first, n, r = runs[i]
+    assert (first, n, r) == (0, TINY.num_layers, 4)  # one run: every layer at rank 4
+    runs[i] = (m, first, n, 3)  # a bookkeeping bug: the cache holds rank 4
+    with pytest.raises(LoraCacheCollision, match=r"collision for \(u0, layers 0-1, q_proj\.lora_A, tp 0/1\)"):
         pool.assign(["u0"])
 
 
