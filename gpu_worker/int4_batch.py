@@ -1,5 +1,5 @@
 """Batched 4-bit GEMM in C (``csrc/int4_batch.c``), over the same packed weights as PyTorch's 4-bit kernel, on AMX
-or, on CPUs without AMX, on AVX512-BF16 dot products.
+or, on CPUs without AMX, on AVX512-BF16 dot products, or on AVX2 fp32 FMAs.
 
 PyTorch's ``_weight_int4pack_mm_for_cpu`` dequantises every weight again for every few rows of input, so a decode
 batch of 32 costs it ~30x one row, and the 4-bit model was half as fast as bf16 at 32 concurrent requests. The C
@@ -16,7 +16,13 @@ the C one from ``min_rows`` rows up, where a start-up timing (cached per machine
   (``csrc/group_dot.h``): the weights the blocks encode, at 1.125x a bf16 GEMM's vector instructions instead of
   the 2x two parts would cost on vector units.
 
-Both accumulate in fp32; their products are within fp32 rounding of the fp32-dequantised weight's.
+- ``loom_int4_fma32`` / ``loom_int4_fma64`` (AVX2 and FMA, neither of the above: AMD Zen 1-3, Intel Haswell and
+  later client parts) dequantise one group of a 32-row half to fp32 in L1 at a time and multiply with fp32 FMAs
+  (``csrc/fma_gemm.h``). PyTorch packs 4-bit weights in 64-row blocks where its CPU capability is AVX-512 and in
+  32-row blocks on AVX2 (:func:`torch_int4_block`, probed once), and this kernel reads either; the two above read
+  64-row blocks only and are refused otherwise.
+
+All accumulate in fp32; their products are within fp32 rounding of the fp32-dequantised weight's.
 """
 
 from __future__ import annotations
@@ -35,12 +41,16 @@ from gpu_worker.native_build import CSRC, load_library
 log = logging.getLogger(__name__)
 
 SOURCE = CSRC / "int4_batch.c"
-ROW_BLOCK = 64  # the packed layout's row block; the C kernel needs N_pad to be a whole number of them
+ROW_BLOCK = 64  # the C kernels need N_pad to be a whole number of 64 rows (PyTorch's largest packing block)
 _I64, _I32, _P = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
 _ARGTYPES = [_I64, _I64, _I64, _P, _I64, _I32, _P, _I64, _I32, _I64, _P, _P]
 # the C entry points by instruction set, best first; a kernel not built in (or refused by the OS) returns rc 3
-ISAS = {"AMX": "loom_int4_amx", "AVX512-BF16": "loom_int4_dot"}
-Q8_ENTRY = {"AMX": "loom_q8_amx", "AVX512-BF16": "loom_q8_dot"}  # csrc/q8_linear.c's batch kernel on the same ISA
+ISAS = {"AMX": "loom_int4_amx", "AVX512-BF16": "loom_int4_dot", "AVX2-FMA": "loom_int4_fma"}  # fma + the block
+Q8_ENTRY = {
+    "AMX": "loom_q8_amx",
+    "AVX512-BF16": "loom_q8_dot",
+    "AVX2-FMA": "loom_q8_fma",
+}  # csrc/q8_linear.c's batch kernel on the same ISA
 
 # why the last load_int4_batch(cache_dir) has no kernel, or runs it single-threaded ("" = built with OpenMP)
 LOAD_NOTES: dict[Path, str] = {}
@@ -61,6 +71,21 @@ class BatchKernel:
 
 
 @cache
+def torch_int4_block() -> int:
+    """Rows per block of PyTorch's CPU 4-bit packing on this machine (64 where its CPU capability is AVX-512, 32 on
+    AVX2), found by packing a probe weight whose only non-zero code is row 32's first input: in 64-row blocks that
+    is byte 0's high nibble; in 32-row blocks, the second block's first byte's low nibble."""
+    q = torch.zeros(64, 64, dtype=torch.int32)
+    q[32, 0] = 15
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1).flatten()
+    if int(packed[0]) == 0xF0:
+        return 64
+    if int(packed[64 * 16]) == 0x0F:
+        return 32
+    raise RuntimeError(f"PyTorch {torch.__version__} packs 4-bit weights in a layout Loom's C kernels do not know")
+
+
+@cache
 def load_int4_kernel(cache_dir: Path, isa: str) -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
     """The C batch kernel for ``isa`` (a key of :data:`ISAS`; argtypes set), built into ``cache_dir`` on first use;
     None (the reason logged and kept in ``LOAD_NOTES[cache_dir]``) without a compiler, or where the CPU (or, for
@@ -70,7 +95,14 @@ def load_int4_kernel(cache_dir: Path, isa: str) -> ctypes._CFuncPtr | None:  # t
         LOAD_NOTES[cache_dir] = note
         log.info("4-bit batch kernel unavailable: %s", note)
         return None
-    fn = getattr(lib, ISAS[isa])
+    block = torch_int4_block()
+    if isa != "AVX2-FMA" and block != 64:
+        LOAD_NOTES[cache_dir] = (
+            f"PyTorch packs 4-bit weights in {block}-row blocks here, which the {isa} kernel does not read"
+        )
+        log.info("4-bit %s batch kernel unavailable: %s", isa, LOAD_NOTES[cache_dir])
+        return None
+    fn = getattr(lib, ISAS[isa] + (str(block) if isa == "AVX2-FMA" else ""))
     fn.argtypes, fn.restype = _ARGTYPES, ctypes.c_int
     # one tiny call asks whether the ISA is built in (and, for AMX, asks the OS for the tiles); the tensors are
     # named: a temporary's memory would be freed before the call

@@ -29,9 +29,10 @@ LOAD_NOTES: dict[Path, str] = {}  # why load_q8(cache_dir) has no library, or ru
 
 @cache
 def load_q8(cache_dir: Path) -> ctypes.CDLL | None:
-    """The built library (``loom_q8_gemv``, ``loom_q8_amx``, ``loom_q8_dot``; argtypes set), built into ``cache_dir``
-    on first use; None (the reason logged and kept in ``LOAD_NOTES[cache_dir]``) where no compiler works."""
-    sig = {name: [ctypes.c_void_p] for name in ("loom_q8_gemv", "loom_q8_amx", "loom_q8_dot")}
+    """The built library (``loom_q8_gemv``, ``loom_q8_amx``, ``loom_q8_dot``, ``loom_q8_fma``; argtypes set), built
+    into ``cache_dir`` on first use; None (the reason logged and kept in ``LOAD_NOTES[cache_dir]``) where no compiler
+    works."""
+    sig = {name: [ctypes.c_void_p] for name in ("loom_q8_gemv", "loom_q8_amx", "loom_q8_dot", "loom_q8_fma")}
     return load_kernel(SOURCE, cache_dir, "8-bit C kernels", LOAD_NOTES, sig)
 
 

@@ -1,6 +1,6 @@
-"""The batched 4-bit C kernels (gpu_worker/int4_batch.py, csrc/int4_batch.c: AMX, and AVX512-BF16 dot products)
-against float64 products with the weight dequantised in fp32 (as PyTorch's 4-bit kernel means it), their dispatch
-inside Int4Linear, and the start-up choice. Each ISA's tests are skipped where the CPU lacks it (the reason is
+"""The batched 4-bit C kernels (gpu_worker/int4_batch.py, csrc/int4_batch.c: AMX, AVX512-BF16 dot products, AVX2
+fp32 FMAs) against float64 products with the weight dequantised in fp32 (as PyTorch's 4-bit kernel means it), their
+dispatch inside Int4Linear, and the start-up choice. Each ISA's tests are skipped where the CPU lacks it (the reason is
 printed); Int4Linear then keeps PyTorch's kernel."""
 
 from __future__ import annotations
@@ -63,8 +63,8 @@ def test_products_equal_the_fp32_dequantised_weight(fn, n, k, rows):
     got = batch_mm(fn, x, lin.packed, lin.scales_zeros, n)  # fp32 in and out
     assert got.dtype == torch.float32 and got.shape == (rows, n)
     # AMX: the weight enters as two bf16 parts (16 bits of it); AVX512-BF16: the codes are exact and the scales
-    # apply to group sums; both sum in fp32. A weight rounded to bf16 once would be off by ~2e-3 of the largest
-    # output, so this bound also shows neither rounds the weight
+    # apply to group sums; AVX2-FMA: the fp32-dequantised weight itself; all sum in fp32. A weight rounded to bf16
+    # once would be off by ~2e-3 of the largest output, so this bound also shows none rounds the weight
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=2e-5 * float(want.abs().max()))
     got16 = batch_mm(fn, x.to(torch.bfloat16), lin.packed, lin.scales_zeros, n)  # bf16 out: its rounding only
     assert got16.dtype == torch.bfloat16
@@ -124,3 +124,19 @@ def test_the_threshold_is_measured_once_then_kept(tmp_path):
         assert f"batches of {first.min_rows}+ rows" in how2
         best = load_int4_batch(tmp_path / "kernels")  # the first ISA of ISAS this CPU runs
         assert best is not None and first.isa == best[1] and f"on the {first.isa} kernel" in how2
+
+
+def test_pytorchs_packing_block_is_probed_and_64_row_kernels_refuse_32(tmp_path, monkeypatch):
+    import gpu_worker.int4_batch as ib
+
+    block = ib.torch_int4_block()  # what PyTorch does on this CPU; the products tests above read it
+    assert block in (32, 64)
+    if ib.load_library(ib.SOURCE, tmp_path)[0] is None:
+        pytest.skip(f"no C compiler: {ib.load_library(ib.SOURCE, tmp_path)[1]}")
+    monkeypatch.setattr(ib, "torch_int4_block", lambda: 32)  # PyTorch at AVX2 capability, e.g. on an AVX-512 CPU
+    for isa in ("AMX", "AVX512-BF16"):
+        assert ib.load_int4_kernel.__wrapped__(tmp_path, isa) is None
+        assert (
+            ib.LOAD_NOTES[tmp_path]
+            == f"PyTorch packs 4-bit weights in 32-row blocks here, which the {isa} kernel does not read"
+        )

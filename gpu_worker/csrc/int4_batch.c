@@ -17,6 +17,7 @@
 #include "loom_cpu.h"
 
 #include "amx_gemm.h"
+#include "fma_gemm.h"
 #include "group_dot.h"
 
 #if HAVE_AMX
@@ -152,4 +153,76 @@ int loom_int4_dot(int64_t M, int64_t N_pad, int64_t K, const void* x, int64_t x_
     (void)n_out, (void)packed, (void)sz;
     return 3;
 #endif
+}
+
+#if HAVE_FMA_GEMM
+/* Group g of the 32-row half u = 2 nb + h of W as fp32 weights T [32 inputs][32 rows] for fma_gemm.h, w = (q - 8) *
+ * scale + zero. PyTorch packs 4-bit weights by its CPU capability: in 64-row blocks on AVX-512 (above), in 32-row
+ * blocks on AVX2, where each input's 16 bytes hold rows j (low nibbles) and 16 + j (high nibbles) of the block. */
+static inline __attribute__((always_inline)) void build_int4_fma(const void* packed_, const void* sz_, int64_t nb,
+                                                                 int h, int64_t g, int64_t K, int64_t N_pad, float* T,
+                                                                 const int block) {
+    const uint8_t* packed = packed_;
+    const uint32_t* sz = sz_; /* (scale, zero) bf16 pairs, one 32-bit word per (group, row) */
+    const int64_t u = 2 * nb + h;
+    __m256 sc[4], zr[4];
+    for (int s = 0; s < 4; s++) {
+        const __m256i v = _mm256_loadu_si256((const __m256i*)(sz + g * N_pad + u * 32 + 8 * s));
+        sc[s] = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+        zr[s] = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32((int)0xFFFF0000u)));
+    }
+    const __m256i m15 = _mm256_set1_epi32(15), eight = _mm256_set1_epi32(8);
+    for (int k = 0; k < 32; k++) {
+        for (int s = 0; s < 4; s++) { /* rows 8 s .. 8 s + 8 of the half */
+            const uint8_t* src;
+            int hi;
+            if (block == 64) /* byte j of the 64-row block: rows j and 32 + j */
+                src = packed + (nb * K + g * 32 + k) * 32 + 8 * s, hi = h;
+            else /* byte j of the 32-row block u: rows j and 16 + j */
+                src = packed + (u * K + g * 32 + k) * 16 + 8 * (s % 2), hi = s / 2;
+            __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)src));
+            b = hi ? _mm256_srli_epi32(b, 4) : _mm256_and_si256(b, m15);
+            const __m256 q = _mm256_cvtepi32_ps(_mm256_sub_epi32(b, eight)); /* q - 8, exact */
+            _mm256_storeu_ps(T + k * 32 + 8 * s, _mm256_fmadd_ps(q, sc[s], zr[s]));
+        }
+    }
+}
+
+static void build_int4_fma64(const void* w, const void* s, int64_t nb, int h, int64_t g, int64_t K, int64_t N_pad,
+                             float* T) {
+    build_int4_fma(w, s, nb, h, g, K, N_pad, T, 64);
+}
+
+static void build_int4_fma32(const void* w, const void* s, int64_t nb, int h, int64_t g, int64_t K, int64_t N_pad,
+                             float* T) {
+    build_int4_fma(w, s, nb, h, g, K, N_pad, T, 32);
+}
+#endif
+
+/* loom_int4_amx's contract on AVX2 fp32 FMAs (fma_gemm.h), for CPUs with neither AMX nor AVX512-BF16, over PyTorch's
+ * 64-row (fma64) or 32-row (fma32) packing. Returns 0 = done, 1 = bad arguments, 2 = out of memory, 3 = not built
+ * in (no AVX2 and FMA). */
+static int int4_fma(int64_t M, int64_t N_pad, int64_t K, const void* x, int64_t x_stride, int x_bf16, void* out,
+                    int64_t out_stride, int out_bf16, int64_t n_out, const uint8_t* packed, const uint16_t* sz,
+                    int block) {
+#if HAVE_FMA_GEMM
+    if (N_pad % 64 || K % 32 || K <= 0 || M < 0 || n_out > N_pad) return 1;
+    if (M == 0 || n_out == 0) return 0;
+    return fma_gemm(M, N_pad, K, x, x_stride, x_bf16, out, out_stride, out_bf16, n_out,
+                    block == 64 ? build_int4_fma64 : build_int4_fma32, packed, sz);
+#else
+    (void)M, (void)N_pad, (void)K, (void)x, (void)x_stride, (void)x_bf16, (void)out, (void)out_stride, (void)out_bf16;
+    (void)n_out, (void)packed, (void)sz, (void)block;
+    return 3;
+#endif
+}
+
+int loom_int4_fma64(int64_t M, int64_t N_pad, int64_t K, const void* x, int64_t x_stride, int x_bf16, void* out,
+                    int64_t out_stride, int out_bf16, int64_t n_out, const uint8_t* packed, const uint16_t* sz) {
+    return int4_fma(M, N_pad, K, x, x_stride, x_bf16, out, out_stride, out_bf16, n_out, packed, sz, 64);
+}
+
+int loom_int4_fma32(int64_t M, int64_t N_pad, int64_t K, const void* x, int64_t x_stride, int x_bf16, void* out,
+                    int64_t out_stride, int out_bf16, int64_t n_out, const uint8_t* packed, const uint16_t* sz) {
+    return int4_fma(M, N_pad, K, x, x_stride, x_bf16, out, out_stride, out_bf16, n_out, packed, sz, 32);
 }

@@ -20,6 +20,7 @@
 #endif
 
 #include "amx_gemm.h"
+#include "fma_gemm.h"
 #include "group_dot.h"
 
 #define GEMV_MAX_ROWS 8
@@ -220,6 +221,42 @@ int loom_q8_dot(const int64_t* a) {
     if (M == 0 || n_out == 0) return 0;
     return dot_gemm(M, N_pad, K, (const void*)a[3], x_stride, (int)a[5], (void*)a[6], out_stride, (int)a[8], n_out,
                     build_q8_codes, (const void*)a[10], (const void*)a[11], 0);
+#else
+    (void)a;
+    return 3;
+#endif
+}
+
+#if HAVE_FMA_GEMM
+/* Group g of rows [32 h, 32 h + 32) of 64-row block nb of W as fp32 weights T [32 inputs][32 rows] for fma_gemm.h:
+ * w = d * q, exact in fp32 (a bf16 scale times an int8) */
+static void build_q8_fma(const void* qp_, const void* d_, int64_t nb, int h, int64_t g, int64_t K, int64_t N_pad,
+                         float* T) {
+    const int8_t* qp = qp_;
+    const uint16_t* d = d_;
+    __m256 sc[4];
+    for (int s = 0; s < 4; s++)
+        sc[s] = _mm256_castsi256_ps(_mm256_slli_epi32(
+            _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(d + g * N_pad + nb * 64 + 32 * h + 8 * s))), 16));
+    for (int k = 0; k < 32; k++) {
+        const int8_t* src = qp + (nb * K + g * 32 + k) * 64 + 32 * h;
+        for (int s = 0; s < 4; s++) {
+            const __m256 q = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(src + 8 * s))));
+            _mm256_storeu_ps(T + k * 32 + 8 * s, _mm256_mul_ps(q, sc[s]));
+        }
+    }
+}
+#endif
+
+/* loom_q8_amx's contract on AVX2 fp32 FMAs (fma_gemm.h): for CPUs with neither AMX nor AVX512-BF16.
+ * Returns 0 = done, 1 = bad arguments, 2 = out of memory, 3 = not built in (no AVX2 and FMA). */
+int loom_q8_fma(const int64_t* a) {
+#if HAVE_FMA_GEMM
+    const int64_t M = a[0], N_pad = a[1], K = a[2], x_stride = a[4], out_stride = a[7], n_out = a[9];
+    if (N_pad % 64 || K % 32 || K <= 0 || M < 0 || n_out > N_pad) return 1;
+    if (M == 0 || n_out == 0) return 0;
+    return fma_gemm(M, N_pad, K, (const void*)a[3], x_stride, (int)a[5], (void*)a[6], out_stride, (int)a[8], n_out,
+                    build_q8_fma, (const void*)a[10], (const void*)a[11]);
 #else
     (void)a;
     return 3;
