@@ -61,6 +61,42 @@ static inline __attribute__((always_inline)) void gemv_block(const float* x, int
         for (int s = 0; s < 4; s++) memcpy(acc[m] + 16 * s, &a[m][s], sizeof(v16));
 }
 
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+#define GEMV_AVX2 1
+/* gemv_block on AVX2 (16 ymm registers, where the generic 16-lane code above spills its accumulators): rows m0 and
+ * m0 + 1 (R = 1 or 2) of x times the 32-row half h of block nb, 4 x R accumulators, each weight vector made (exact:
+ * an int8 times a bf16 scale) and used at once */
+static inline __attribute__((always_inline)) void gemv_half_avx2(const float* x, int64_t K, int64_t N_pad, int64_t nb,
+                                                                  int h, const int8_t* qp, const uint16_t* d,
+                                                                  float* acc0, float* acc1, const int R) {
+    __m256 a[2][4];
+    for (int r = 0; r < R; r++)
+        for (int s = 0; s < 4; s++) a[r][s] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < K / 32; g++) {
+        __m256 dv[4];
+        for (int s = 0; s < 4; s++)
+            dv[s] = _mm256_castsi256_ps(_mm256_slli_epi32(
+                _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(d + g * N_pad + nb * 64 + 32 * h + 8 * s))), 16));
+        for (int64_t k = g * 32; k < g * 32 + 32; k++) {
+            const int8_t* qk = qp + (nb * K + k) * 64 + 32 * h;
+            const __m256 x0 = _mm256_broadcast_ss(x + k), x1 = _mm256_broadcast_ss(x + (R > 1 ? K : 0) + k);
+            for (int s = 0; s < 4; s++) {
+                const __m256 w = _mm256_mul_ps(
+                    _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(qk + 8 * s)))), dv[s]);
+                a[0][s] = _mm256_fmadd_ps(x0, w, a[0][s]);
+                if (R > 1) a[1][s] = _mm256_fmadd_ps(x1, w, a[1][s]);
+            }
+        }
+    }
+    for (int s = 0; s < 4; s++) {
+        _mm256_storeu_ps(acc0 + 32 * h + 8 * s, a[0][s]);
+        if (R > 1) _mm256_storeu_ps(acc1 + 32 * h + 8 * s, a[1][s]);
+    }
+}
+#else
+#define GEMV_AVX2 0
+#endif
+
 /* a = {M, N_pad, K, x, out, out_stride, out_bf16, n_out, qp, d}: x fp32 [M][K] contiguous (M <= GEMV_MAX_ROWS),
  * out [M][n_out] at row stride out_stride (bf16 if out_bf16 else fp32). Returns 0, or 1 for bad arguments (M over
  * GEMV_MAX_ROWS, N_pad not a multiple of 64, K not of 32, n_out over N_pad). */
@@ -78,6 +114,15 @@ int loom_q8_gemv(const int64_t* a) {
 #endif
     for (int64_t nb = 0; nb < blocks; nb++) {
         float acc[GEMV_MAX_ROWS][64];
+#if GEMV_AVX2
+        for (int64_t m = 0; m < M; m += 2) /* rows in pairs: each pair streams the block's weights once */
+            for (int h = 0; h < 2; h++) {
+                if (M - m > 1)
+                    gemv_half_avx2(x + m * K, K, N_pad, nb, h, qp, d, acc[m], acc[m + 1], 2);
+                else
+                    gemv_half_avx2(x + m * K, K, N_pad, nb, h, qp, d, acc[m], acc[m], 1);
+            }
+#else
         switch (M) {
 #define ROWS(R)                                               \
     case R:                                                   \
@@ -88,6 +133,7 @@ int loom_q8_gemv(const int64_t* a) {
             default:
                 break;
         }
+#endif
         const int64_t cols = n_out - nb * 64 < 64 ? n_out - nb * 64 : 64;
         for (int64_t m = 0; m < M; m++)
             for (int64_t c = 0; c < cols; c++) {
