@@ -24,6 +24,12 @@
 #define HAVE_BF16_DOT 0
 #endif
 
+#if !HAVE_BF16_DOT && defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+#include <immintrin.h>
+#define SCORES_AVX2 1 /* scores on 8-lane vectors (see decode_attention_item.h) */
+#else
+#define SCORES_AVX2 0
+#endif
 #define BK 64     /* keys per softmax block */
 #define MAXD 256  /* head_dim: a multiple of 16 up to this */
 #define MAXREP 16 /* query heads per KV head */
@@ -74,7 +80,7 @@ static inline void sth2(uint16_t* p, v16 e, v16 o) {
         u32x16 u;
         memcpy(&u, &f[h], sizeof u);
         u32x16 t = u + 0x7fffu + ((u >> 16) & 1u);
-        i32x16 nan = (i32x16)((u & 0x7fffffffu) > 0x7f800000u);
+        i32x16 nan = (i32x16)(u & 0x7fffffffu) > 0x7f800000; /* signed: AVX2 has no unsigned compare */
         r[h] = (t & ~(u32x16)nan) | ((u | 0x400000u) & (u32x16)nan);
     }
     u32x16 x = (r[0] >> 16) | (r[1] & 0xffff0000u);

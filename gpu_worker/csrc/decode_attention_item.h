@@ -45,6 +45,38 @@ static void ATT_NAME(const void* q, int64_t qsh, const void* k, int64_t ks, cons
                 if (ng < 16) memset(kf + ng * D, 0, sizeof(float) * (16 - ng) * D);
             }
             for (int i = 0; i < REP; i++) {
+#if SCORES_AVX2
+                /* AVX2: the generic 16-lane code below, on 8-lane halves, with reduce16's tree (lane l + l + 8, then
+                 * + 4, + 2, + 1) done in ymm shuffles, so the sums are the same bits; reduce16's shuffles on 256-bit
+                 * registers compiled to element moves that made scores several times slower */
+                const float* qi = (const float*)qf[i];
+                for (int h8 = 0; h8 < 2; h8++) {
+                    __m256 y[4]; /* y[p]: keys 2p (low 128 bits) and 2p + 1 (high) after levels 1 and 2 */
+                    for (int p2 = 0; p2 < 4; p2++) {
+                        __m256 x[2];
+                        for (int e = 0; e < 2; e++) {
+                            const float* kr = kf + (h8 * 8 + 2 * p2 + e) * D;
+                            __m256 t0 = _mm256_mul_ps(_mm256_loadu_ps(qi), _mm256_loadu_ps(kr));
+                            __m256 t1 = _mm256_mul_ps(_mm256_loadu_ps(qi + 8), _mm256_loadu_ps(kr + 8));
+                            for (int c = 16; c < D; c += 16) {
+                                t0 = _mm256_fmadd_ps(_mm256_loadu_ps(qi + c), _mm256_loadu_ps(kr + c), t0);
+                                t1 = _mm256_fmadd_ps(_mm256_loadu_ps(qi + c + 8), _mm256_loadu_ps(kr + c + 8), t1);
+                            }
+                            x[e] = _mm256_add_ps(t0, t1); /* level 1: lane l + lane l + 8 */
+                        }
+                        y[p2] = _mm256_add_ps(_mm256_permute2f128_ps(x[0], x[1], 0x20),
+                                              _mm256_permute2f128_ps(x[0], x[1], 0x31)); /* level 2: l + l + 4 */
+                    }
+                    __m256 z[2]; /* level 3 (l + l + 2): z[0] keys 0, 2 | 1, 3; z[1] keys 4, 6 | 5, 7 (2 lanes each) */
+                    for (int e = 0; e < 2; e++)
+                        z[e] = _mm256_add_ps(_mm256_shuffle_ps(y[2 * e], y[2 * e + 1], 0x44),
+                                             _mm256_shuffle_ps(y[2 * e], y[2 * e + 1], 0xEE));
+                    const __m256 r = _mm256_hadd_ps(z[0], z[1]); /* level 4 (l + l + 1): keys 0 2 4 6 | 1 3 5 7 */
+                    const __m256 o = _mm256_permutevar8x32_ps(r, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+                    _mm256_storeu_ps(sc + i * BK + jg + 8 * h8, _mm256_mul_ps(o, _mm256_set1_ps(scale)));
+                }
+                continue;
+#endif
                 v16 a[16];
 #if HAVE_BF16_DOT
                 if (dot) {
@@ -84,7 +116,7 @@ static void ATT_NAME(const void* q, int64_t qsh, const void* k, int64_t ks, cons
             v16 mx = ldf(si);
             for (int j = VW; j < nv; j += VW) {
                 v16 t = ldf(si + j);
-                mx = (v16)(((i32x16)t & (t > mx)) | ((i32x16)mx & ~(t > mx)));
+                mx = vmax(t, mx);
             }
             float bm = mx[0];
             for (int e = 1; e < VW; e++) bm = mx[e] > bm ? mx[e] : bm;
@@ -100,6 +132,51 @@ static void ATT_NAME(const void* q, int64_t qsh, const void* k, int64_t ks, cons
             m[i] = mn;
             for (int c = 0; c < C; c++) acc[i][c] *= corr;
         }
+#if SCORES_AVX2
+        /* AVX2: P.V in passes of 16 dims, whose accumulators for every head (2 x REP ymm) stay in registers (all
+         * dims at once are 8 x REP, which spilled); the same fmas in the same order as the generic loop below */
+        for (int ch = 0; ch < D / 16; ch++) {
+            float* ap[ATT_REPCAP][2];
+            __m256 a0[ATT_REPCAP], a1[ATT_REPCAP];
+            for (int i = 0; i < REP; i++) {
+                if (BF) /* even dims of 32-dim group ch / 2 in acc[2 g], odd in acc[2 g + 1]; this pass: lanes 8 (ch % 2).. */
+                    ap[i][0] = (float*)&acc[i][2 * (ch / 2)] + 8 * (ch % 2), ap[i][1] = (float*)&acc[i][2 * (ch / 2) + 1] + 8 * (ch % 2);
+                else
+                    ap[i][0] = (float*)&acc[i][ch], ap[i][1] = (float*)&acc[i][ch] + 8;
+                a0[i] = _mm256_loadu_ps(ap[i][0]), a1[i] = _mm256_loadu_ps(ap[i][1]);
+            }
+            for (int j = 0; j < nb; j++) {
+                if (ch == 0)
+                { /* spread over this loop: the next block's key and value rows (in the last block, the next item's) */
+                    const char *pk = 0, *pv = 0;
+                    int64_t r = 0;
+                    if (j0 + BK + j < len)
+                        pk = k, pv = v, r = KEY(j0 + BK + j);
+                    else if (next_k && j < next_len)
+                        pk = next_k, pv = next_v, r = next_idx ? next_idx[j] : j;
+                    if (pk)
+                        for (int b = 0; b < D * (BF ? 2 : 4); b += 64) {
+                            __builtin_prefetch(pk + r * ks * (BF ? 2 : 4) + b, 0, 3);
+                            __builtin_prefetch(pv + r * vs * (BF ? 2 : 4) + b, 0, 3);
+                        }
+                }
+                __m256 v0, v1;
+                if (BF) {
+                    const __m256i x = _mm256_loadu_si256((const __m256i*)((const uint16_t*)v + vo[j] + 16 * ch));
+                    v0 = _mm256_castsi256_ps(_mm256_slli_epi32(x, 16));
+                    v1 = _mm256_castsi256_ps(_mm256_and_si256(x, _mm256_set1_epi32((int)0xffff0000u)));
+                } else {
+                    v0 = _mm256_loadu_ps((const float*)v + vo[j] + 16 * ch);
+                    v1 = _mm256_loadu_ps((const float*)v + vo[j] + 16 * ch + 8);
+                }
+                for (int i = 0; i < REP; i++) {
+                    const __m256 p = _mm256_broadcast_ss(sc + i * BK + j);
+                    a0[i] = _mm256_fmadd_ps(p, v0, a0[i]), a1[i] = _mm256_fmadd_ps(p, v1, a1[i]);
+                }
+            }
+            for (int i = 0; i < REP; i++) _mm256_storeu_ps(ap[i][0], a0[i]), _mm256_storeu_ps(ap[i][1], a1[i]);
+        }
+#else
         for (int j = 0; j < nb; j++) { /* P.V */
             { /* spread over this loop: the next block's key and value rows (in the last block, the next item's) */
                 const char *pk = 0, *pv = 0;
@@ -128,6 +205,7 @@ static void ATT_NAME(const void* q, int64_t qsh, const void* k, int64_t ks, cons
                 for (int c = 0; c < C; c++) acc[i][c] += p * vr[c];
             }
         }
+#endif
     }
     if (part) {
         for (int i = 0; i < REP; i++) store_part(part, i, REP, D, acc[i], m[i], l[i]);

@@ -21,7 +21,7 @@ static inline v16 bf16r(v16 f) {
     u32x16 u;
     memcpy(&u, &f, sizeof u);
     u32x16 r = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
-    i32x16 nan = (i32x16)((u & 0x7fffffffu) > 0x7f800000u);
+    i32x16 nan = (i32x16)(u & 0x7fffffffu) > 0x7f800000; /* signed: AVX2 has no unsigned compare */
     r = (r & ~(u32x16)nan) | ((u | 0x400000u) & (u32x16)nan);
     memcpy(&f, &r, sizeof f);
     return f;

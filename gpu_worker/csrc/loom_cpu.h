@@ -58,7 +58,7 @@ static inline void sth(uint16_t* p, v16 f) { /* 16 fp32 -> bf16, round to neares
     u32x16 u;
     memcpy(&u, &f, sizeof u);
     u32x16 r = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-    i32x16 nan = (i32x16)((u & 0x7fffffffu) > 0x7f800000u);
+    i32x16 nan = (i32x16)(u & 0x7fffffffu) > 0x7f800000; /* signed: AVX2 has no unsigned compare */
     r = (r & ~(u32x16)nan) | (((u >> 16) | 0x40u) & (u32x16)nan);
     u16x16 h = __builtin_convertvector(r, u16x16);
     memcpy(p, &h, sizeof h);
@@ -83,7 +83,48 @@ static inline void stx(void* p, int64_t off, v16 v, int bf16) { /* 16 values sto
 
 /* e^x per lane over the whole fp32 range: 0 below -87.3 (where e^x leaves the normal floats), inf above 88.7;
  * Cody-Waite reduction to r in [-ln2/2, ln2/2], a degree-7 Taylor polynomial (relative error < 1e-8 before
- * rounding), times 2^n: within an ulp or two of expf */
+ * rounding), times 2^n: within an ulp or two of expf. With AVX2 but not AVX-512 the same steps run on two 8-lane
+ * halves in intrinsics: GCC turns float comparisons of a 16-lane vector into scalar code on 256-bit registers. */
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+#include <immintrin.h>
+static inline __m256 vexp8(__m256 x) {
+    const __m256 lo = _mm256_set1_ps(-87.3f), hi = _mm256_set1_ps(88.7f);
+    const __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ), over = _mm256_cmp_ps(x, hi, _CMP_GT_OQ);
+    x = _mm256_min_ps(hi, _mm256_max_ps(lo, x)); /* a NaN stays NaN (the second operand wins) */
+    const __m256 big = _mm256_set1_ps(12582912.f);
+    const __m256 n = _mm256_sub_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), big), big);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187045e-06f), r);
+    __m256 p = _mm256_set1_ps(1.f / 5040.f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 720.f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 120.f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 24.f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 6.f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23);
+    const __m256 y = _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+    return _mm256_blendv_ps(_mm256_andnot_ps(under, y), _mm256_set1_ps(INFINITY), over);
+}
+
+static inline v16 vexp(v16 x) {
+    __m256 h[2];
+    memcpy(h, &x, sizeof x);
+    h[0] = vexp8(h[0]), h[1] = vexp8(h[1]);
+    memcpy(&x, h, sizeof x);
+    return x;
+}
+
+/* lane-wise max(a, b) (b where either is NaN) */
+static inline v16 vmax(v16 a, v16 b) {
+    __m256 x[2], y[2];
+    memcpy(x, &a, sizeof a), memcpy(y, &b, sizeof b);
+    x[0] = _mm256_max_ps(x[0], y[0]), x[1] = _mm256_max_ps(x[1], y[1]);
+    memcpy(&a, x, sizeof a);
+    return a;
+}
+#else
 static inline v16 vexp(v16 x) {
     const v16 lo = (v16){0} - 87.3f, hi = (v16){0} + 88.7f;
     i32x16 under = x < lo, over = x > hi;
@@ -104,6 +145,10 @@ static inline v16 vexp(v16 x) {
     const v16 inf = (v16){0} + INFINITY;
     return (v16)((((i32x16)y & ~under) & ~over) | ((i32x16)inf & over));
 }
+
+/* lane-wise max(a, b) (b where either is NaN) */
+static inline v16 vmax(v16 a, v16 b) { return (v16)(((i32x16)a & (a > b)) | ((i32x16)b & ~(a > b))); }
+#endif
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #include <immintrin.h>
