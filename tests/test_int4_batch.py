@@ -140,3 +140,40 @@ def test_pytorchs_packing_block_is_probed_and_64_row_kernels_refuse_32(tmp_path,
             ib.LOAD_NOTES[tmp_path]
             == f"PyTorch packs 4-bit weights in 32-row blocks here, which the {isa} kernel does not read"
         )
+
+
+def _pack(q: torch.Tensor, block: int) -> torch.Tensor:
+    """``q [N, K]`` (0..15) in PyTorch's CPU 4-bit layout with ``block``-row blocks, written out by hand: byte j of
+    (block b, input k) holds row ``b * block + j`` in its low nibble and row ``b * block + block / 2 + j`` in its high
+    one, ``[N / block][K][block / 2]``."""
+    n, k = q.shape
+    h = block // 2
+    qb = q.to(torch.uint8).view(n // block, 2, h, k)  # [blocks, low/high half, j, k]
+    return (qb[:, 0] | (qb[:, 1] << 4)).transpose(1, 2).contiguous().view(n, k // 2)
+
+
+@pytest.mark.parametrize("block", [32, 64])
+def test_fma_kernel_reads_either_packing_block(tmp_path, block):
+    """The AVX2 kernel on both of PyTorch's layouts (this CPU packs one of them; the other is written by hand), so
+    the 64-row variant an AVX-512 CPU without BF16 would take is tested here too."""
+    import gpu_worker.int4_batch as ib
+
+    lib, note = ib.load_library(ib.SOURCE, tmp_path)
+    if lib is None:
+        pytest.skip(note)
+    fn = ib.load_int4_kernel.__wrapped__(tmp_path, "AVX2-FMA")
+    if fn is None:
+        pytest.skip(ib.LOAD_NOTES[tmp_path])
+    fn = getattr(lib, f"loom_int4_fma{block}")
+    fn.argtypes, fn.restype = ib._ARGTYPES, ib.ctypes.c_int
+    q = torch.randint(0, 16, (192, 96), generator=torch.Generator().manual_seed(block))
+    lin = int4_from_affine(q, torch.rand(192, 3) * 0.05, torch.randn(192, 3) * 0.05)
+    packed = _pack(q, block)
+    if block == ib.torch_int4_block():
+        assert torch.equal(packed, lin.packed)  # the hand-written layout is PyTorch's
+    sz = lin.scales_zeros.float()
+    w = (q.float() - 8) * sz[:, :, 0].T.repeat_interleave(32, 1) + sz[:, :, 1].T.repeat_interleave(32, 1)
+    x = torch.randn(13, 96)
+    got = batch_mm(fn, x, packed, lin.scales_zeros, 192)
+    want = x.to(torch.bfloat16).double() @ w.double().T
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=2e-5 * float(want.abs().max()))
