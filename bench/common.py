@@ -146,9 +146,24 @@ def bench_header(title: str, *, dtype: str, tp_size: int, model: str = "", extra
         f"torch {torch.__version__} ({torch.get_num_threads()} threads in this process; each gpu_worker's count is "
         f"printed once the cluster is up), python {platform.python_version()}, loom {loom_revision()}",
     ]
+    if device == "cpu" and dtype in ("bfloat16", "auto") and not {"avx512_bf16", "amx_bf16"} & _flag_set():
+        lines.append(
+            "note: this CPU has no bf16 instructions (avx512_bf16, amx_bf16): dense bf16 weights (--quantization "
+            "none) are upcast per call for 8+ rows, so their figures measure that slow path; --dtype float32 or "
+            "--quantization gguf is the fast choice here"
+        )
     if extra:
         lines.append(extra)
     return "\n".join(lines)
+
+
+def _flag_set() -> set[str]:
+    """Every flag of the first ``flags`` line of /proc/cpuinfo (empty where there is none)."""
+    try:
+        line = next(ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags"))
+    except (OSError, StopIteration):
+        return set()
+    return set(line.split(":", 1)[1].split())
 
 
 # ----------------------------------------------------------------------------- processes
