@@ -70,19 +70,31 @@ class BatchKernel:
     isa: str
 
 
+def int4_layout(q: torch.Tensor, block: int) -> torch.Tensor:
+    """``q [N, K]`` (codes 0..15, N a multiple of ``block``) as PyTorch's CPU 4-bit packing in ``block``-row blocks
+    would write it, ``[N, K/2]`` uint8: byte j of (block b, input k) holds row ``b * block + j`` in its low nibble
+    and row ``b * block + block / 2 + j`` in its high one (64 on AVX-512, 32 on AVX2)."""
+    n, k = q.shape
+    qb = q.to(torch.uint8).view(n // block, 2, block // 2, k)  # [blocks, low/high half, j, k]
+    return (qb[:, 0] | (qb[:, 1] << 4)).transpose(1, 2).contiguous().view(n, k // 2)
+
+
 @cache
 def torch_int4_block() -> int:
-    """Rows per block of PyTorch's CPU 4-bit packing on this machine (64 where its CPU capability is AVX-512, 32 on
-    AVX2), found by packing a probe weight whose only non-zero code is row 32's first input: in 64-row blocks that
-    is byte 0's high nibble; in 32-row blocks, the second block's first byte's low nibble."""
-    q = torch.zeros(64, 64, dtype=torch.int32)
-    q[32, 0] = 15
-    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1).flatten()
-    if int(packed[0]) == 0xF0:
-        return 64
-    if int(packed[64 * 16]) == 0x0F:
-        return 32
-    raise RuntimeError(f"PyTorch {torch.__version__} packs 4-bit weights in a layout Loom's C kernels do not know")
+    """Rows per block of PyTorch's CPU 4-bit packing on this machine: 64 (its AVX-512 layout), 32 (its AVX2 one), or
+    0 for any other (e.g. its DEFAULT capability's, which pairs adjacent rows in a byte), which no C kernel reads.
+    Found by packing a random probe weight and comparing it with :func:`int4_layout` byte for byte."""
+    q = torch.randint(0, 16, (64, 64), generator=torch.Generator().manual_seed(0), dtype=torch.int32)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+    for block in (64, 32):
+        if packed.dtype == torch.uint8 and torch.equal(packed, int4_layout(q, block)):
+            return block
+    return 0
+
+
+def capability() -> str:
+    """PyTorch's CPU capability (``ATEN_CPU_CAPABILITY`` or detected), which decides its 4-bit packing."""
+    return str(torch.backends.cpu.get_cpu_capability())
 
 
 @cache
@@ -96,10 +108,9 @@ def load_int4_kernel(cache_dir: Path, isa: str) -> ctypes._CFuncPtr | None:  # t
         log.info("4-bit batch kernel unavailable: %s", note)
         return None
     block = torch_int4_block()
-    if isa != "AVX2-FMA" and block != 64:
-        LOAD_NOTES[cache_dir] = (
-            f"PyTorch packs 4-bit weights in {block}-row blocks here, which the {isa} kernel does not read"
-        )
+    if block == 0 or (isa != "AVX2-FMA" and block != 64):
+        what = f"in {block}-row blocks" if block else f"in a layout Loom does not know (CPU capability {capability()})"
+        LOAD_NOTES[cache_dir] = f"PyTorch packs 4-bit weights {what} here, which the {isa} kernel does not read"
         log.info("4-bit %s batch kernel unavailable: %s", isa, LOAD_NOTES[cache_dir])
         return None
     fn = getattr(lib, ISAS[isa] + (str(block) if isa == "AVX2-FMA" else ""))
@@ -127,7 +138,7 @@ def load_int4_batch(cache_dir: Path) -> tuple[ctypes._CFuncPtr, str] | None:  # 
         if fn is not None:
             return fn, isa
     if LOAD_NOTES.get(cache_dir, "").startswith("this CPU"):
-        LOAD_NOTES[cache_dir] = "this CPU (or its OS) has neither AMX bf16 tiles nor AVX512-BF16"
+        LOAD_NOTES[cache_dir] = "this CPU (or its OS) has neither AMX bf16 tiles, AVX512-BF16 nor AVX2 with FMA"
     return None
 
 
@@ -139,7 +150,7 @@ def batch_mm(
     n_out: int,
 ) -> torch.Tensor:
     """``x [M, K]`` (fp32/bf16, CPU) times the packed 4-bit weight -> ``[M, n_out]`` in ``x.dtype``, on the C batch
-    kernel ``fn`` (``loom_int4_amx`` or ``loom_int4_dot``).
+    kernel ``fn`` (``loom_int4_amx``, ``loom_int4_dot`` or ``loom_int4_fma32``/``64``).
 
     ``packed`` ``[N_pad, K/2]`` uint8 and ``scales_zeros`` ``[K/32, N_pad, 2]`` bf16 are PyTorch's 4-bit CPU layout
     (``gpu_worker.quant.Int4Linear``); ``N_pad`` must be a multiple of :data:`ROW_BLOCK`.

@@ -95,8 +95,8 @@ class Q8Linear:
         not rounded to bf16 (the LM head's logits, whose bf16 steps of 0.125 at |logit| >= 16 made exact ties).
 
         Batches from the 4-bit weights' measured threshold (:data:`gpu_worker.quant.BATCH_KERNEL`) run on the batch
-        kernel of its instruction set (AMX or AVX512-BF16), fewer rows (or every batch where there is none) on the
-        GEMV, 8 rows per call.
+        kernel of its instruction set (AMX, AVX512-BF16 or AVX2-FMA), fewer rows (or every batch where there is
+        none) on the GEMV, 8 rows per call.
 
         Raises:
             MemoryError: the batch kernel could not allocate its buffers.

@@ -113,7 +113,7 @@ class Int4Linear:
     def mm(self, x: torch.Tensor) -> torch.Tensor:
         """``x [M, K]`` (any float dtype) -> ``[M, N]`` in ``x.dtype``.
 
-        From :data:`BATCH_KERNEL`'s ``min_rows`` rows up (and a row count the packed layout allows), the AMX
+        From :data:`BATCH_KERNEL`'s ``min_rows`` rows up (and a row count the packed layout allows), the C batch
         kernel of :mod:`gpu_worker.int4_batch` computes it; otherwise PyTorch's 4-bit kernel (:meth:`mm_torch`).
         """
         bk = BATCH_KERNEL

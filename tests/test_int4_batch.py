@@ -130,7 +130,7 @@ def test_pytorchs_packing_block_is_probed_and_64_row_kernels_refuse_32(tmp_path,
     import gpu_worker.int4_batch as ib
 
     block = ib.torch_int4_block()  # what PyTorch does on this CPU; the products tests above read it
-    assert block in (32, 64)
+    assert block in (32, 64), ib.capability()
     if ib.load_library(ib.SOURCE, tmp_path)[0] is None:
         pytest.skip(f"no C compiler: {ib.load_library(ib.SOURCE, tmp_path)[1]}")
     monkeypatch.setattr(ib, "torch_int4_block", lambda: 32)  # PyTorch at AVX2 capability, e.g. on an AVX-512 CPU
@@ -140,16 +140,6 @@ def test_pytorchs_packing_block_is_probed_and_64_row_kernels_refuse_32(tmp_path,
             ib.LOAD_NOTES[tmp_path]
             == f"PyTorch packs 4-bit weights in 32-row blocks here, which the {isa} kernel does not read"
         )
-
-
-def _pack(q: torch.Tensor, block: int) -> torch.Tensor:
-    """``q [N, K]`` (0..15) in PyTorch's CPU 4-bit layout with ``block``-row blocks, written out by hand: byte j of
-    (block b, input k) holds row ``b * block + j`` in its low nibble and row ``b * block + block / 2 + j`` in its high
-    one, ``[N / block][K][block / 2]``."""
-    n, k = q.shape
-    h = block // 2
-    qb = q.to(torch.uint8).view(n // block, 2, h, k)  # [blocks, low/high half, j, k]
-    return (qb[:, 0] | (qb[:, 1] << 4)).transpose(1, 2).contiguous().view(n, k // 2)
 
 
 @pytest.mark.parametrize("block", [32, 64])
@@ -168,7 +158,7 @@ def test_fma_kernel_reads_either_packing_block(tmp_path, block):
     fn.argtypes, fn.restype = ib._ARGTYPES, ib.ctypes.c_int
     q = torch.randint(0, 16, (192, 96), generator=torch.Generator().manual_seed(block))
     lin = int4_from_affine(q, torch.rand(192, 3) * 0.05, torch.randn(192, 3) * 0.05)
-    packed = _pack(q, block)
+    packed = ib.int4_layout(q, block)
     if block == ib.torch_int4_block():
         assert torch.equal(packed, lin.packed)  # the hand-written layout is PyTorch's
     sz = lin.scales_zeros.float()
@@ -177,3 +167,28 @@ def test_fma_kernel_reads_either_packing_block(tmp_path, block):
     got = batch_mm(fn, x, packed, lin.scales_zeros, 192)
     want = x.to(torch.bfloat16).double() @ w.double().T
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=2e-5 * float(want.abs().max()))
+
+
+def test_a_packing_no_kernel_reads_refuses_every_kernel(tmp_path):
+    """PyTorch's DEFAULT capability packs adjacent rows into a byte: a 32-row probe alone would take it for the AVX2
+    layout. Run in a child process with ATEN_CPU_CAPABILITY=default, the probe finds no known layout and every
+    kernel is refused, so 4-bit batches stay on PyTorch's kernel."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = (
+        "import sys; from pathlib import Path; import gpu_worker.int4_batch as ib; "
+        "print(ib.capability(), ib.torch_int4_block(), ib.load_int4_batch(Path(sys.argv[1])) is None, "
+        "ib.LOAD_NOTES.get(Path(sys.argv[1]), ''))"
+    )
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": "default", "OMP_NUM_THREADS": "1"}
+    root = str(Path(__file__).resolve().parent.parent)
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path)], env=env, capture_output=True, text=True, timeout=120, cwd=root
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    cap, block, none, note = out.stdout.strip().split(" ", 3)
+    assert cap == "DEFAULT" and block == "0" and none == "True", out.stdout
+    assert "no C compiler" in note or "layout Loom does not know" in note or "has neither" in note, note

@@ -8,7 +8,8 @@
  * fp32 throughout, the probabilities stay fp32 for P.V; q, k, v and out are all bf16 or all fp32.
  * Why not torch: SDPA's CPU kernel costs 30-70 us per call for one query row, and ~1 ms per layer for 32 rows of
  * ~256 positions on a 2-core CPU, several times the time to stream K and V once, which is all this needs.
- * Plain C (GCC/Clang vector extensions), compiled on the serving machine with -march=native.
+ * Plain C (GCC/Clang vector extensions; AVX2 intrinsics where those compile badly on 256-bit registers, see
+ * decode_attention_item.h), compiled on the serving machine with -march=native.
  * Threads: OpenMP over the work items (torch's libgomp, one pool).
  */
 #include "loom_cpu.h"

@@ -9,6 +9,8 @@
  *   fp32 and scaled (exact), then multiply-added into the rows' fp32 accumulators; no horizontal sums.
  * - loom_q8_amx, for batches on AMX: each 64-row block is dequantised once per call into the hi/lo bf16 tiles of
  *   amx_gemm.h (hi + lo is the weight exactly, as it has 16 significant bits) and multiplied 16 rows at a time.
+ * - loom_q8_dot / loom_q8_fma, for batches without AMX: group_dot.h (AVX512-BF16) or fma_gemm.h (AVX2 and FMA).
+ * On AVX2 the GEMV takes rows in pairs over 32-row halves (gemv_half_avx2), where the 16-lane code spilled.
  * Threads: OpenMP over the 64-row blocks (torch's libgomp, one pool).
  */
 #include "loom_cpu.h"
