@@ -55,8 +55,8 @@ def main() -> None:
     p.add_argument(
         "--int4-ab",
         action="store_true",
-        help="with --quantization gguf: blocks of 5 steps in turns with the batched C 4-bit kernel as chosen at "
-        "start-up and with PyTorch's 4-bit kernel only (gpu_worker/int4_batch.py)",
+        help="with --quantization gguf: blocks of 5 steps in turns with the C 4-bit kernels as chosen at start-up "
+        "(batch kernel and few-row GEMV) and with PyTorch's 4-bit kernel only (gpu_worker/int4_batch.py)",
     )
     p.add_argument(
         "--attn-ab",
@@ -141,9 +141,9 @@ def main() -> None:
 
     import gpu_worker.quant as quant
 
-    chosen = quant.BATCH_KERNEL
+    chosen, chosen_gemv = quant.BATCH_KERNEL, quant.GEMV_KERNEL
     if a.int4_ab:
-        print(f"batched 4-bit kernel chosen at start-up: {chosen}")
+        print(f"4-bit C kernels chosen at start-up: batch {chosen}, GEMV {chosen_gemv}")
     by_int4: dict[str, list[float]] = {"c": [], "torch": []}
     chosen_attn = w.model.decode_attn
     if a.attn_ab:
@@ -173,6 +173,7 @@ def main() -> None:
         if a.int4_ab:
             kern = "c" if (k - 1) // 5 % 2 == 0 else "torch"
             quant.BATCH_KERNEL = chosen if kern == "c" else None
+            quant.GEMV_KERNEL = chosen_gemv if kern == "c" else None
         if a.attn_ab:
             attn = "c" if (k - 1) // 5 % 2 == 0 else "sdpa"
             w.model.decode_attn = chosen_attn if attn == "c" else None
@@ -203,7 +204,7 @@ def main() -> None:
     if a.int4_ab:
         amx_ms, torch_ms = (statistics.median(by_int4[m]) * 1e3 for m in ("c", "torch"))
         speedup = torch_ms / amx_ms
-        print(f"4-bit batches: C kernel {amx_ms:.1f} ms, torch only {torch_ms:.1f} ms per step: {speedup:.2f}x")
+        print(f"4-bit GEMMs: C kernels {amx_ms:.1f} ms, torch only {torch_ms:.1f} ms per step: {speedup:.2f}x")
     if a.ops_ab:
         c_ms, torch_ms = (statistics.median(by_ops[m]) * 1e3 for m in ("c", "torch"))
         print(f"layer ops: C {c_ms:.1f} ms, PyTorch {torch_ms:.1f} ms per step: {torch_ms / c_ms:.2f}x")

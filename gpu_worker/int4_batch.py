@@ -23,6 +23,12 @@ the C one from ``min_rows`` rows up, where a start-up timing (cached per machine
   64-row blocks only and are refused otherwise.
 
 All accumulate in fp32; their products are within fp32 rounding of the fp32-dequantised weight's.
+
+For a few rows (decode at batch 1 to a few), ``loom_int4_gemv512`` (AVX-512) and ``loom_int4_gemv_avx2_32``/``_64``
+(AVX2 and FMA) stream the same packed weights once with one FMA per weight, the group's scale and zero factored out
+of its sum (``csrc/int4_gemv.h``), where PyTorch's kernel spends a second FMA per weight on dequantising it. They take
+over from PyTorch's kernel up to :class:`GemvKernel`'s ``max_rows``, measured once per machine like the batch
+threshold.
 """
 
 from __future__ import annotations
@@ -51,6 +57,8 @@ Q8_ENTRY = {
     "AVX512-BF16": "loom_q8_dot",
     "AVX2-FMA": "loom_q8_fma",
 }  # csrc/q8_linear.c's batch kernel on the same ISA
+# the few-row GEMV entry points by instruction set, best first (AVX2-FMA: + the packing block, 32 or 64)
+GEMV_ISAS = {"AVX-512": "loom_int4_gemv512", "AVX2-FMA": "loom_int4_gemv_avx2_"}
 
 # why the last load_int4_batch(cache_dir) has no kernel, or runs it single-threaded ("" = built with OpenMP)
 LOAD_NOTES: dict[Path, str] = {}
@@ -67,6 +75,20 @@ class BatchKernel:
 
     fn: ctypes._CFuncPtr  # type: ignore[name-defined]
     min_rows: int
+    isa: str
+
+
+@dataclass(frozen=True)
+class GemvKernel:
+    """A C few-row GEMV and the largest batch for which :class:`gpu_worker.quant.Int4Linear` uses it.
+
+    Attributes:
+        fn: the C function (``batch_mm``'s ``fn``). max_rows: the largest batch it takes (smaller ones too).
+        isa: its instruction set, a key of :data:`GEMV_ISAS`.
+    """
+
+    fn: ctypes._CFuncPtr  # type: ignore[name-defined]
+    max_rows: int
     isa: str
 
 
@@ -113,14 +135,8 @@ def load_int4_kernel(cache_dir: Path, isa: str) -> ctypes._CFuncPtr | None:  # t
         LOAD_NOTES[cache_dir] = f"PyTorch packs 4-bit weights {what} here, which the {isa} kernel does not read"
         log.info("4-bit %s batch kernel unavailable: %s", isa, LOAD_NOTES[cache_dir])
         return None
-    fn = getattr(lib, ISAS[isa] + (str(block) if isa == "AVX2-FMA" else ""))
-    fn.argtypes, fn.restype = _ARGTYPES, ctypes.c_int
-    # one tiny call asks whether the ISA is built in (and, for AMX, asks the OS for the tiles); the tensors are
-    # named: a temporary's memory would be freed before the call
-    x, w, sz = torch.zeros(1, 32, dtype=torch.bfloat16), torch.zeros(64, 16, dtype=torch.uint8), torch.zeros(1, 64, 2)
-    try:
-        batch_mm(fn, x, w, sz.to(torch.bfloat16), 64)
-    except ValueError:
+    fn = _entry(lib, ISAS[isa] + (str(block) if isa == "AVX2-FMA" else ""))
+    if fn is None:
         LOAD_NOTES[cache_dir] = f"this CPU (or its OS) has no {isa}"
         log.info("4-bit %s batch kernel unavailable: %s", isa, LOAD_NOTES[cache_dir])
         return None
@@ -128,6 +144,37 @@ def load_int4_kernel(cache_dir: Path, isa: str) -> ctypes._CFuncPtr | None:  # t
     if note:
         log.warning("4-bit %s batch kernel runs %s", isa, note)
     return fn
+
+
+def _entry(lib: ctypes.CDLL, name: str) -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+    """The kernel ``name`` of ``lib`` with its argtypes set, or None where one tiny call says its ISA is not built in
+    (or, for AMX, that the OS refused the tiles)."""
+    fn = getattr(lib, name)
+    fn.argtypes, fn.restype = _ARGTYPES, ctypes.c_int
+    # the tensors are named: a temporary's memory would be freed before the call
+    x, w, sz = torch.zeros(1, 32, dtype=torch.bfloat16), torch.zeros(64, 16, dtype=torch.uint8), torch.zeros(1, 64, 2)
+    try:
+        batch_mm(fn, x, w, sz.to(torch.bfloat16), 64)
+    except ValueError:
+        return None
+    return fn
+
+
+@cache
+def load_int4_gemv(cache_dir: Path) -> tuple[ctypes._CFuncPtr, str] | None:  # type: ignore[name-defined]
+    """The best few-row GEMV (:data:`GEMV_ISAS`) this CPU runs over PyTorch's packing here, built into ``cache_dir``
+    on first use, and its ISA; None without a compiler, a known packing, or AVX2 with FMA."""
+    lib, _ = load_library(SOURCE, cache_dir)
+    block = torch_int4_block()
+    if lib is None or block == 0:
+        return None
+    for isa, name in GEMV_ISAS.items():
+        if isa == "AVX-512" and block != 64:
+            continue
+        fn = _entry(lib, name + (str(block) if isa == "AVX2-FMA" else ""))
+        if fn is not None:
+            return fn, isa
+    return None
 
 
 def load_int4_batch(cache_dir: Path) -> tuple[ctypes._CFuncPtr, str] | None:  # type: ignore[name-defined]
@@ -179,19 +226,27 @@ MARGIN = 1.2  # the C kernel must be this much faster in the start-up timing: ne
 # step (and the other rank's threads) tips it either way, and a call measured alone flatters the C kernel
 
 
-def _crossover(fn: ctypes._CFuncPtr, isa: str) -> tuple[int, str]:  # type: ignore[name-defined]
-    """The smallest batch in 2, 4, 8, 16, 32 at which the C kernel beats PyTorch's by :data:`MARGIN` through 8
-    distinct ``[1536, 576]`` weights (fastest of 5 passes each), 0 if none; and a line with the timings."""
+def _gate_weights(count: int) -> list:
+    """``count`` distinct random 4-bit ``[1536, 576]`` weights (SmolLM2's gate half) for the start-up timings."""
     from gpu_worker.quant import GROUP, Int4Linear
-    from gpu_worker.timing import best_time
 
     g = torch.Generator().manual_seed(0)
     n, k = 1536, 576
-    mats = [
+    return [
         Int4Linear(torch.randint(0, 16, (n, k), generator=g), torch.rand(n, k // GROUP, generator=g) * 0.01,
                    torch.zeros(n, k // GROUP))
-        for _ in range(8)
+        for _ in range(count)
     ]  # fmt: skip
+
+
+def _crossover(fn: ctypes._CFuncPtr, isa: str) -> tuple[int, str]:  # type: ignore[name-defined]
+    """The smallest batch in 2, 4, 8, 16, 32 at which the C kernel beats PyTorch's by :data:`MARGIN` through 8
+    distinct ``[1536, 576]`` weights (fastest of 5 passes each), 0 if none; and a line with the timings."""
+    from gpu_worker.timing import best_time
+
+    g = torch.Generator().manual_seed(1)
+    n, k = 1536, 576
+    mats = _gate_weights(8)
     parts = []
     for rows in (2, 4, 8, 16, 32):
         x = torch.randn(rows, k, generator=g).to(torch.bfloat16)
@@ -201,6 +256,61 @@ def _crossover(fn: ctypes._CFuncPtr, isa: str) -> tuple[int, str]:  # type: igno
         if t_c * MARGIN < t_torch:
             return rows, f"from {rows} rows ({'; '.join(parts)})"
     return 0, f"never faster ({'; '.join(parts)})"
+
+
+GEMV_MARGIN = 1.1  # the GEMV must be this much faster than PyTorch's kernel at a batch size to take it
+
+
+def _gemv_rows(fn: ctypes._CFuncPtr, isa: str) -> tuple[int, str]:  # type: ignore[name-defined]
+    """The largest batch in 1, 2, 4, 8 up to which the GEMV beats PyTorch's kernel by :data:`GEMV_MARGIN` at every
+    size, through 24 distinct ``[1536, 576]`` weights (12 MB: a decode step streams its weights, so they should not
+    all sit in cache; fastest of 5 passes each), 0 if not even at one row; and a line with the timings."""
+    from gpu_worker.timing import best_time
+
+    g = torch.Generator().manual_seed(1)
+    n, k = 1536, 576
+    mats = _gate_weights(24)
+    parts, best = [], 0
+    for rows in (1, 2, 4, 8):
+        x = torch.randn(rows, k, generator=g).to(torch.bfloat16)
+        t_c = best_time(lambda: [batch_mm(fn, x, w.packed, w.scales_zeros, n) for w in mats], 5)  # noqa: B023
+        t_torch = best_time(lambda: [w.mm_torch(x) for w in mats], 5)  # noqa: B023
+        parts.append(f"{rows} rows: {isa} GEMV {t_c * 1e6:.0f} us, torch {t_torch * 1e6:.0f} us")
+        if t_c * GEMV_MARGIN >= t_torch:
+            break
+        best = rows
+    return best, "; ".join(parts)
+
+
+def _agree(value: int, group: object | None, highest: bool) -> int:
+    """``value`` agreed by every TP rank of ``group`` (None: this process alone): the highest or the lowest."""
+    if group is None:
+        return value
+    import torch.distributed as dist
+
+    vote = torch.tensor([value if highest else -value])
+    dist.all_reduce(vote, op=dist.ReduceOp.MAX, group=group)
+    return int(vote.item()) if highest else -int(vote.item())
+
+
+def choose_gemv_kernel(cache_dir: Path, group: object | None = None) -> tuple[GemvKernel | None, str]:
+    """The C few-row GEMV and the largest batch it takes on this machine, or None (PyTorch's kernel below the batch
+    kernel's threshold), with a line saying why. Measured once per machine and cached; TP ranks take the smallest
+    ``max_rows`` among them (none if any rank lacks a GEMV)."""
+    loaded = load_int4_gemv(cache_dir / "kernels")
+    rows, how, isa = 0, "unavailable (no compiler, AVX2 with FMA, or known 4-bit packing)", ""
+    if loaded is not None:
+        from gpu_worker.timing import cached_choice
+
+        fn, isa = loaded
+        key = f"{torch.__version__}|{isa}|{hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:16]}"
+        rows, how = cached_choice(cache_dir / "kernel-choice", "int4-gemv-max-rows", key, lambda: _gemv_rows(fn, isa))
+    agreed = _agree(rows, group, highest=False)
+    if agreed != rows:
+        how += f"; another TP rank {'lacks it' if agreed == 0 else f'takes it up to {agreed} rows'}"
+    if not agreed or loaded is None:
+        return None, f"4-bit GEMV on PyTorch's kernel ({isa or 'C'} GEMV {how})"
+    return GemvKernel(loaded[0], agreed, isa), f"4-bit batches of 1-{agreed} rows on the {isa} GEMV ({how})"
 
 
 def choose_batch_kernel(cache_dir: Path, group: object | None = None) -> tuple[BatchKernel | None, str]:
@@ -219,15 +329,10 @@ def choose_batch_kernel(cache_dir: Path, group: object | None = None) -> tuple[B
         rows, how = cached_choice(
             cache_dir / "kernel-choice", "int4-batch-min-rows", key, lambda: _crossover(kernel, isa)
         )
-    if group is not None:
-        import torch.distributed as dist
-
-        vote = torch.tensor([rows if rows else 1 << 30])
-        dist.all_reduce(vote, op=dist.ReduceOp.MAX, group=group)
-        agreed = int(vote.item())
-        if agreed != (rows or 1 << 30):
-            how += f"; another TP rank {'lacks the kernel' if agreed == 1 << 30 else f'needs {agreed} rows'}"
-        rows = 0 if agreed == 1 << 30 else agreed
+    agreed = _agree(rows or 1 << 30, group, highest=True)
+    if agreed != (rows or 1 << 30):
+        how += f"; another TP rank {'lacks the kernel' if agreed == 1 << 30 else f'needs {agreed} rows'}"
+    rows = 0 if agreed == 1 << 30 else agreed
     if not rows or loaded is None:
         return None, f"4-bit batches on PyTorch's kernel ({isa or 'C'} batch kernel {how})"
     return BatchKernel(loaded[0], rows, isa), f"4-bit batches of {rows}+ rows on the {isa} kernel ({how})"

@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from gpu_worker.int4_batch import BatchKernel, batch_mm
+from gpu_worker.int4_batch import BatchKernel, GemvKernel, batch_mm
 
 GROUP = 32  # GGUF block size and the int4 kernel's group size
 _KERNEL_DTYPE = torch.bfloat16
@@ -38,6 +38,9 @@ _INT8_MM = torch.ops.aten._weight_int8pack_mm.default
 # the batched AMX kernel (gpu_worker.int4_batch.BatchKernel) Int4Linear.mm uses from its min_rows up; None = PyTorch's
 # kernel for every batch. Set once per process by the worker (gpu_worker.int4_batch.choose_batch_kernel).
 BATCH_KERNEL: BatchKernel | None = None
+# the C few-row GEMV Int4Linear.mm uses up to its max_rows (below BATCH_KERNEL's min_rows); None = PyTorch's kernel.
+# Set once per process by the worker (gpu_worker.int4_batch.choose_gemv_kernel).
+GEMV_KERNEL: GemvKernel | None = None
 
 
 class QuantizationError(ValueError):
@@ -113,13 +116,18 @@ class Int4Linear:
     def mm(self, x: torch.Tensor) -> torch.Tensor:
         """``x [M, K]`` (any float dtype) -> ``[M, N]`` in ``x.dtype``.
 
-        From :data:`BATCH_KERNEL`'s ``min_rows`` rows up (and a row count the packed layout allows), the C batch
-        kernel of :mod:`gpu_worker.int4_batch` computes it; otherwise PyTorch's 4-bit kernel (:meth:`mm_torch`).
+        From :data:`BATCH_KERNEL`'s ``min_rows`` rows up the C batch kernel of :mod:`gpu_worker.int4_batch` computes
+        it, up to :data:`GEMV_KERNEL`'s ``max_rows`` rows its C GEMV (both where the packed layout and ``x.dtype``
+        allow); otherwise PyTorch's 4-bit kernel (:meth:`mm_torch`).
         """
-        bk = BATCH_KERNEL
-        if bk is not None and x.shape[0] >= bk.min_rows and self.packed.shape[0] % 64 == 0 and x.dtype in _AMX_X:
-            xk = torch.cat([x, x], dim=-1) if self.dup_input else x
-            return batch_mm(bk.fn, xk, self.packed, self.scales_zeros, self.out_features)
+        if self.packed.shape[0] % 64 == 0 and x.dtype in _AMX_X:
+            bk, gk, m = BATCH_KERNEL, GEMV_KERNEL, x.shape[0]
+            fn = (
+                bk.fn if bk is not None and m >= bk.min_rows else gk.fn if gk is not None and m <= gk.max_rows else None
+            )
+            if fn is not None:
+                xk = torch.cat([x, x], dim=-1) if self.dup_input else x
+                return batch_mm(fn, xk, self.packed, self.scales_zeros, self.out_features)
         return self.mm_torch(x)
 
     def mm_torch(self, x: torch.Tensor) -> torch.Tensor:

@@ -177,17 +177,20 @@ class Worker:
         log.info("rank %d: %s", self.rank, how)
 
     def _choose_int4_batch_kernel(self, group: object | None) -> None:
-        """With 4-bit weights (``gguf``), set the batch size from which they multiply on the AMX kernel
-        (``gpu_worker.int4_batch``; measured once per machine, the same on every TP rank); logs the choice."""
+        """With 4-bit weights (``gguf``), set the batch size from which they multiply on the C batch kernel and up to
+        which on the C GEMV (``gpu_worker.int4_batch``; measured once per machine, the same on every TP rank); logs
+        the choices."""
         if self.quantization != "gguf":
             return
         if self.dtype not in (torch.float32, torch.bfloat16):  # the kernel takes fp32/bf16 activations only
             log.info("rank %d: 4-bit batches on PyTorch's kernel (%s activations)", self.rank, self.dtype)
             return
         from gpu_worker import quant
-        from gpu_worker.int4_batch import choose_batch_kernel
+        from gpu_worker.int4_batch import choose_batch_kernel, choose_gemv_kernel
 
         quant.BATCH_KERNEL, how = choose_batch_kernel(cache_root(), group)
+        log.info("rank %d: %s", self.rank, how)
+        quant.GEMV_KERNEL, how = choose_gemv_kernel(cache_root(), group)
         log.info("rank %d: %s", self.rank, how)
 
     def _choose_quantization(self, group: object | None) -> str:

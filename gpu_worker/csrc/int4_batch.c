@@ -19,6 +19,7 @@
 #include "amx_gemm.h"
 #include "fma_gemm.h"
 #include "group_dot.h"
+#include "int4_gemv.h"
 
 #if HAVE_AMX
 /* Dequantise the 64-row block nb of W over all K into the hi/lo B tiles bt of amx_gemm.h */
@@ -225,4 +226,44 @@ int loom_int4_fma64(int64_t M, int64_t N_pad, int64_t K, const void* x, int64_t 
 int loom_int4_fma32(int64_t M, int64_t N_pad, int64_t K, const void* x, int64_t x_stride, int x_bf16, void* out,
                     int64_t out_stride, int out_bf16, int64_t n_out, const uint8_t* packed, const uint16_t* sz) {
     return int4_fma(M, N_pad, K, x, x_stride, x_bf16, out, out_stride, out_bf16, n_out, packed, sz, 32);
+}
+
+/* A few rows of x (csrc/int4_gemv.h): loom_int4_gemv512 on AVX-512 over 64-row packing, loom_int4_gemv_avx2_32 / _64
+ * on AVX2 and FMA over 32- or 64-row packing. Any M (it pays below the batch kernels' crossover). Returns 0 = done,
+ * 1 = bad arguments, 2 = out of memory, 3 = not built in. */
+#define GEMV_ARGS                                                                                                     \
+    int64_t M, int64_t N_pad, int64_t K, const void *x, int64_t x_stride, int x_bf16, void *out, int64_t out_stride, \
+        int out_bf16, int64_t n_out, const uint8_t *packed, const uint16_t *sz
+#define GEMV_CHECK                                                    \
+    if (N_pad % 64 || K % 32 || K <= 0 || M < 0 || n_out > N_pad) return 1; \
+    if (M == 0 || n_out == 0) return 0;
+
+int loom_int4_gemv512(GEMV_ARGS) {
+#if HAVE_GEMV512
+    GEMV_CHECK
+    return gemv512(M, N_pad, K, x, x_stride, x_bf16, out, out_stride, out_bf16, n_out, packed, sz);
+#else
+    (void)M, (void)N_pad, (void)K, (void)x, (void)x_stride, (void)x_bf16, (void)out, (void)out_stride, (void)out_bf16;
+    (void)n_out, (void)packed, (void)sz;
+    return 3;
+#endif
+}
+
+static int int4_gemv_avx2(GEMV_ARGS, int block) {
+#if HAVE_GEMV_AVX2
+    GEMV_CHECK
+    return gemv_avx2(M, N_pad, K, x, x_stride, x_bf16, out, out_stride, out_bf16, n_out, packed, sz, block);
+#else
+    (void)M, (void)N_pad, (void)K, (void)x, (void)x_stride, (void)x_bf16, (void)out, (void)out_stride, (void)out_bf16;
+    (void)n_out, (void)packed, (void)sz, (void)block;
+    return 3;
+#endif
+}
+
+int loom_int4_gemv_avx2_32(GEMV_ARGS) {
+    return int4_gemv_avx2(M, N_pad, K, x, x_stride, x_bf16, out, out_stride, out_bf16, n_out, packed, sz, 32);
+}
+
+int loom_int4_gemv_avx2_64(GEMV_ARGS) {
+    return int4_gemv_avx2(M, N_pad, K, x, x_stride, x_bf16, out, out_stride, out_bf16, n_out, packed, sz, 64);
 }
