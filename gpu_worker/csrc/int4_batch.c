@@ -241,7 +241,7 @@ int loom_int4_fma32(int64_t M, int64_t N_pad, int64_t K, const void* x, int64_t 
 int loom_int4_gemv512(GEMV_ARGS) {
 #if HAVE_GEMV512
     GEMV_CHECK
-    return gemv512(M, N_pad, K, x, x_stride, x_bf16, out, out_stride, out_bf16, n_out, packed, sz);
+    return gemv_drive(M, N_pad, K, x, x_stride, x_bf16, out, out_stride, out_bf16, n_out, packed, sz, gemv512_unit, 64);
 #else
     (void)M, (void)N_pad, (void)K, (void)x, (void)x_stride, (void)x_bf16, (void)out, (void)out_stride, (void)out_bf16;
     (void)n_out, (void)packed, (void)sz;
@@ -252,7 +252,8 @@ int loom_int4_gemv512(GEMV_ARGS) {
 static int int4_gemv_avx2(GEMV_ARGS, int block) {
 #if HAVE_GEMV_AVX2
     GEMV_CHECK
-    return gemv_avx2(M, N_pad, K, x, x_stride, x_bf16, out, out_stride, out_bf16, n_out, packed, sz, block);
+    return gemv_drive(M, N_pad, K, x, x_stride, x_bf16, out, out_stride, out_bf16, n_out, packed, sz, gemv_avx2_unit,
+                      block);
 #else
     (void)M, (void)N_pad, (void)K, (void)x, (void)x_stride, (void)x_bf16, (void)out, (void)out_stride, (void)out_bf16;
     (void)n_out, (void)packed, (void)sz, (void)block;

@@ -66,23 +66,81 @@ static inline void gemv4_store(const float* tot, int64_t M, int64_t n0, int64_t 
         }
 }
 
+/* dst[r * ld + c] (r < M, c < 64) = rows r of xf times the 64-row block nb over groups [g0, g1) */
+typedef void (*gemv_unit_fn)(const float* xf, const float* xs, int64_t M, int64_t K, int64_t N_pad, int64_t nb,
+                             int64_t g0, int64_t g1, const uint8_t* packed, const uint32_t* sz, float* dst, int64_t ld,
+                             int block);
+
+static __thread void* gp_buf;
+static __thread size_t gp_cap;
+
+/* The GEMV over 64-row blocks with unit() for one block's products. An odd number of blocks (SmolLM2's 576 and 960
+ * rows: 9 and 15) would leave one of two threads a block more, so then each block's groups are split in two halves,
+ * summed into fp32 partials and added in a second pass: the split depends on the shape only, never on the thread
+ * count, so the sums are the same however many threads run. Returns 0 = done, 2 = out of memory. */
+static int gemv_drive(int64_t M, int64_t N_pad, int64_t K, const void* x, int64_t x_stride, int x_bf16, void* out,
+                      int64_t out_stride, int out_bf16, int64_t n_out, const uint8_t* packed, const uint16_t* sz,
+                      gemv_unit_fn unit, int block) {
+    float* xs;
+    const float* xf = gemv4_inputs(M, K, x, x_stride, x_bf16, &xs);
+    if (!xf) return 2;
+    const int64_t blocks = (n_out + 63) / 64, G = K / 32, parts = blocks % 2 && G % 2 == 0 ? 2 : 1;
+    const uint32_t* s = (const uint32_t*)sz;
+    const size_t esize = out_bf16 ? 2 : 4;
+    if (parts == 1) {
+#pragma omp parallel for schedule(static) if (blocks > 1)
+        for (int64_t nb = 0; nb < blocks; nb++) {
+            float tot[4 * 64] __attribute__((aligned(64)));
+            for (int64_t m0 = 0; m0 < M; m0 += 4) {
+                const int64_t R = M - m0 < 4 ? M - m0 : 4;
+                unit(xf + m0 * K, xs + m0 * G, R, K, N_pad, nb, 0, G, packed, s, tot, 64, block);
+                gemv4_store(tot, R, nb * 64, n_out, (char*)out + m0 * out_stride * esize, out_stride, out_bf16);
+            }
+        }
+        return 0;
+    }
+    const int64_t ld = blocks * 64; /* partials [2][M][blocks * 64] fp32 */
+    float* part = thread_buffer(&gp_buf, &gp_cap, (size_t)(2 * M * ld) * 4);
+    if (!part) return 2;
+#pragma omp parallel
+    {
+#pragma omp for schedule(static)
+        for (int64_t w = 0; w < 2 * blocks; w++) {
+            const int64_t nb = w / 2, p = w % 2;
+            unit(xf, xs, M, K, N_pad, nb, p * (G / 2), (p + 1) * (G / 2), packed, s, part + p * M * ld + nb * 64, ld,
+                 block);
+        }
+#pragma omp for schedule(static)
+        for (int64_t nb = 0; nb < blocks; nb++) {
+            float tot[64] __attribute__((aligned(64)));
+            for (int64_t m = 0; m < M; m++) {
+                for (int c = 0; c < 64; c++) tot[c] = part[m * ld + nb * 64 + c] + part[(M + m) * ld + nb * 64 + c];
+                gemv4_store(tot, 1, nb * 64, n_out, (char*)out + m * out_stride * esize, out_stride, out_bf16);
+            }
+        }
+    }
+    return 0;
+}
+
 #ifdef __AVX512F__
 #define HAVE_GEMV512 1
-/* tot[r][64] = rows r < R of xf times the 64-row block nb (R constant when inlined: accumulators in registers) */
+/* dst[r * ld + 0..64) = rows r < R of xf times the 64-row block nb over groups [g0, g1) (R constant when inlined:
+ * accumulators in registers) */
 static inline __attribute__((always_inline)) void gemv512_block(const float* xf, const float* xs, int64_t K,
-                                                                int64_t N_pad, int64_t nb, const uint8_t* packed,
-                                                                const uint32_t* sz, float* tot, const int R) {
+                                                                int64_t N_pad, int64_t nb, int64_t g0, int64_t g1,
+                                                                const uint8_t* packed, const uint32_t* sz, float* dst,
+                                                                int64_t ld, const int R) {
     const __m512 lut = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7); /* q - 8, exact */
     const int64_t G = K / 32;
     __m512 t[4][4];
     for (int r = 0; r < R; r++)
         for (int s = 0; s < 4; s++) t[r][s] = _mm512_setzero_ps();
-    for (int64_t g = 0; g < G; g++) {
+    for (int64_t g = g0; g < g1; g++) {
         __m512 a[4][4];
         for (int r = 0; r < R; r++)
             for (int s = 0; s < 4; s++) a[r][s] = _mm512_setzero_ps();
         const uint8_t* src = packed + (nb * K + g * 32) * 32;
-        if (g + 1 < G)
+        if (g + 1 < g1)
             for (int s = 0; s < 4; s++) _mm_prefetch((const char*)(sz + (g + 1) * N_pad + nb * 64 + 16 * s), _MM_HINT_T0);
         for (int kk = 0; kk < 32; kk++, src += 32) {
             if (kk % 2 == 0) _mm_prefetch((const char*)(src + GEMV_PREFETCH), _MM_HINT_T0);
@@ -105,34 +163,25 @@ static inline __attribute__((always_inline)) void gemv512_block(const float* xf,
         }
     }
     for (int r = 0; r < R; r++)
-        for (int s = 0; s < 4; s++) _mm512_storeu_ps(tot + r * 64 + 16 * s, t[r][s]);
+        for (int s = 0; s < 4; s++) _mm512_storeu_ps(dst + r * ld + 16 * s, t[r][s]);
 }
 
-/* The GEMV on AVX-512 over 64-row blocks. Returns 0 = done, 1 = bad arguments, 2 = out of memory. */
-static int gemv512(int64_t M, int64_t N_pad, int64_t K, const void* x, int64_t x_stride, int x_bf16, void* out,
-                   int64_t out_stride, int out_bf16, int64_t n_out, const uint8_t* packed, const uint16_t* sz) {
-    float* xs;
-    const float* xf = gemv4_inputs(M, K, x, x_stride, x_bf16, &xs);
-    if (!xf) return 2;
-    const int64_t blocks = (n_out + 63) / 64, G = K / 32;
-#pragma omp parallel for schedule(static) if (blocks > 1)
-    for (int64_t nb = 0; nb < blocks; nb++) {
-        float tot[4 * 64] __attribute__((aligned(64)));
-        for (int64_t m0 = 0; m0 < M; m0 += 4) {
-            const float *xm = xf + m0 * K, *sm = xs + m0 * G;
-            const uint32_t* s = (const uint32_t*)sz;
-            switch (M - m0 < 4 ? M - m0 : 4) {
-            case 1: gemv512_block(xm, sm, K, N_pad, nb, packed, s, tot, 1); break;
-            case 2: gemv512_block(xm, sm, K, N_pad, nb, packed, s, tot, 2); break;
-            case 3: gemv512_block(xm, sm, K, N_pad, nb, packed, s, tot, 3); break;
-            default: gemv512_block(xm, sm, K, N_pad, nb, packed, s, tot, 4); break;
-            }
-            gemv4_store(tot, M - m0 < 4 ? M - m0 : 4, nb * 64, n_out, (char*)out + m0 * out_stride * (out_bf16 ? 2 : 4),
-                        out_stride, out_bf16);
+/* gemv_unit_fn on AVX-512: rows in chunks of 4 */
+static void gemv512_unit(const float* xf, const float* xs, int64_t M, int64_t K, int64_t N_pad, int64_t nb, int64_t g0,
+                         int64_t g1, const uint8_t* packed, const uint32_t* sz, float* dst, int64_t ld, int block) {
+    (void)block;
+    for (int64_t m0 = 0; m0 < M; m0 += 4) {
+        const float *xm = xf + m0 * K, *sm = xs + m0 * (K / 32);
+        float* d = dst + m0 * ld;
+        switch (M - m0 < 4 ? M - m0 : 4) {
+        case 1: gemv512_block(xm, sm, K, N_pad, nb, g0, g1, packed, sz, d, ld, 1); break;
+        case 2: gemv512_block(xm, sm, K, N_pad, nb, g0, g1, packed, sz, d, ld, 2); break;
+        case 3: gemv512_block(xm, sm, K, N_pad, nb, g0, g1, packed, sz, d, ld, 3); break;
+        default: gemv512_block(xm, sm, K, N_pad, nb, g0, g1, packed, sz, d, ld, 4); break;
         }
     }
-    return 0;
 }
+
 #else
 #define HAVE_GEMV512 0
 #endif
@@ -143,19 +192,19 @@ static int gemv512(int64_t M, int64_t N_pad, int64_t K, const void* x, int64_t x
  * block is 32 (16 bytes per input: rows j in low nibbles, 16 + j in high ones) or 64 (32 bytes per input: rows j and
  * 32 + j; the half u % 2 takes one nibble of each byte) */
 static inline __attribute__((always_inline)) void gemv_avx2_half(const float* xf, const float* xs, int64_t K,
-                                                                 int64_t N_pad, int64_t u, const uint8_t* packed,
-                                                                 const uint32_t* sz, float* tot, const int R,
-                                                                 const int block) {
+                                                                 int64_t N_pad, int64_t u, int64_t g0, int64_t g1,
+                                                                 const uint8_t* packed, const uint32_t* sz, float* dst,
+                                                                 int64_t ld, const int R, const int block) {
     const int64_t G = K / 32;
     const __m256i m15 = _mm256_set1_epi32(15);
     __m256 t[2][4];
     for (int r = 0; r < R; r++)
         for (int s = 0; s < 4; s++) t[r][s] = _mm256_setzero_ps();
-    for (int64_t g = 0; g < G; g++) {
+    for (int64_t g = g0; g < g1; g++) {
         __m256 a[2][4];
         for (int r = 0; r < R; r++)
             for (int s = 0; s < 4; s++) a[r][s] = _mm256_setzero_ps();
-        if (g + 1 < G)
+        if (g + 1 < g1)
             for (int s = 0; s < 4; s += 2) _mm_prefetch((const char*)(sz + (g + 1) * N_pad + u * 32 + 8 * s), _MM_HINT_T0);
         for (int kk = 0; kk < 32; kk++) {
             const int64_t k = g * 32 + kk;
@@ -192,36 +241,27 @@ static inline __attribute__((always_inline)) void gemv_avx2_half(const float* xf
         }
     }
     for (int r = 0; r < R; r++)
-        for (int s = 0; s < 4; s++) _mm256_storeu_ps(tot + r * 64 + 8 * s, t[r][s]);
+        for (int s = 0; s < 4; s++) _mm256_storeu_ps(dst + r * ld + 8 * s, t[r][s]);
 }
 
-/* The GEMV on AVX2 and FMA over PyTorch's 32- or 64-row packing. Returns 0 = done, 1 = bad arguments, 2 = out of
- * memory. */
-static int gemv_avx2(int64_t M, int64_t N_pad, int64_t K, const void* x, int64_t x_stride, int x_bf16, void* out,
-                     int64_t out_stride, int out_bf16, int64_t n_out, const uint8_t* packed, const uint16_t* sz,
-                     const int block) {
-    float* xs;
-    const float* xf = gemv4_inputs(M, K, x, x_stride, x_bf16, &xs);
-    if (!xf) return 2;
-    const int64_t blocks = (n_out + 63) / 64, G = K / 32;
-#pragma omp parallel for schedule(static) if (blocks > 1)
-    for (int64_t nb = 0; nb < blocks; nb++) { /* 64 rows: two halves, each with its own tot columns */
-        float tot[2 * 64] __attribute__((aligned(64)));
-        for (int64_t m0 = 0; m0 < M; m0 += 2) {
-            const float *xm = xf + m0 * K, *sm = xs + m0 * G;
-            const uint32_t* s = (const uint32_t*)sz;
-            const int R = M - m0 > 1 ? 2 : 1;
-            for (int h = 0; h < 2; h++) {
-                if (block == 32 && R == 2) gemv_avx2_half(xm, sm, K, N_pad, 2 * nb + h, packed, s, tot + 32 * h, 2, 32);
-                if (block == 32 && R == 1) gemv_avx2_half(xm, sm, K, N_pad, 2 * nb + h, packed, s, tot + 32 * h, 1, 32);
-                if (block == 64 && R == 2) gemv_avx2_half(xm, sm, K, N_pad, 2 * nb + h, packed, s, tot + 32 * h, 2, 64);
-                if (block == 64 && R == 1) gemv_avx2_half(xm, sm, K, N_pad, 2 * nb + h, packed, s, tot + 32 * h, 1, 64);
-            }
-            gemv4_store(tot, R, nb * 64, n_out, (char*)out + m0 * out_stride * (out_bf16 ? 2 : 4), out_stride, out_bf16);
+/* gemv_unit_fn on AVX2: rows in pairs, each over the block's two 32-row halves */
+static void gemv_avx2_unit(const float* xf, const float* xs, int64_t M, int64_t K, int64_t N_pad, int64_t nb,
+                           int64_t g0, int64_t g1, const uint8_t* packed, const uint32_t* sz, float* dst, int64_t ld,
+                           int block) {
+    for (int64_t m0 = 0; m0 < M; m0 += 2) {
+        const float *xm = xf + m0 * K, *sm = xs + m0 * (K / 32);
+        const int R = M - m0 > 1 ? 2 : 1;
+        for (int h = 0; h < 2; h++) {
+            float* d = dst + m0 * ld + 32 * h;
+            const int64_t u = 2 * nb + h;
+            if (block == 32 && R == 2) gemv_avx2_half(xm, sm, K, N_pad, u, g0, g1, packed, sz, d, ld, 2, 32);
+            if (block == 32 && R == 1) gemv_avx2_half(xm, sm, K, N_pad, u, g0, g1, packed, sz, d, ld, 1, 32);
+            if (block == 64 && R == 2) gemv_avx2_half(xm, sm, K, N_pad, u, g0, g1, packed, sz, d, ld, 2, 64);
+            if (block == 64 && R == 1) gemv_avx2_half(xm, sm, K, N_pad, u, g0, g1, packed, sz, d, ld, 1, 64);
         }
     }
-    return 0;
 }
+
 #else
 #define HAVE_GEMV_AVX2 0
 #endif
