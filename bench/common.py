@@ -6,6 +6,7 @@ cluster:`` and talk to ``cluster.endpoint`` (``cluster.proc`` is the launcher, `
 
 from __future__ import annotations
 
+import ctypes
 import math
 import os
 import platform
@@ -259,6 +260,13 @@ class Cluster:
         return sum(cpu_s(pid) for name, pid in self.procs().items() if name.startswith("gpu_worker"))
 
 
+def _term_with_parent() -> None:
+    """In the launcher's child before exec: have Linux send it SIGTERM when the benchmark dies, so a crash that skips
+    every cleanup (llama.cpp's general protection fault on a VM that lists AMX but faults on it) leaves no cluster."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
 @contextmanager
 def loom_cluster(*flags: str, timeout_s: float = 600.0, prefix: str = "loom-bench-") -> Iterator[Cluster]:
     """Run ``launch.py`` with ``flags`` on a private ipc endpoint until "Loom ready"; stop it after.
@@ -277,6 +285,7 @@ def loom_cluster(*flags: str, timeout_s: float = 600.0, prefix: str = "loom-benc
             stderr=subprocess.STDOUT,
             cwd=str(ROOT),
             start_new_session=True,
+            preexec_fn=_term_with_parent,
         )
     tp = int(flags[flags.index("--tp-size") + 1]) if "--tp-size" in flags[:-1] else 1
     cluster = Cluster(endpoint, p, log_path, tmp, tp)

@@ -5,9 +5,9 @@
 
 Optional: needs ``llama-cpp-python`` (never a Loom dependency; build it for this CPU with
 ``CMAKE_ARGS="-DGGML_NATIVE=ON" pip install llama-cpp-python``; where the CPU lists AMX but the VM faults on
-tile instructions (SIGILL in ``tileloadd``), add ``-mno-amx-tile -mno-amx-int8 -mno-amx-bf16`` to
-``CMAKE_C_FLAGS`` and ``CMAKE_CXX_FLAGS``). Without it :func:`measure` returns None and
-bench/serving.py prints one line saying the llama.cpp rows are skipped.
+tile instructions (SIGILL in ``tileloadd``, or a general protection fault in ``libggml-cpu.so``), add
+``-mno-amx-tile -mno-amx-int8 -mno-amx-bf16`` to ``CMAKE_C_FLAGS`` and ``CMAKE_CXX_FLAGS``). Without it
+:func:`measure` returns None and bench/serving.py prints one line saying the llama.cpp rows are skipped.
 
 What is measured, matching ``loom_runs`` in bench/serving.py:
 
