@@ -43,6 +43,7 @@ from pathlib import Path
 import torch
 
 from gpu_worker.native_build import CSRC, load_library
+from gpu_worker.timing import cached_choice, store_choice
 
 log = logging.getLogger(__name__)
 
@@ -293,6 +294,13 @@ def _agree(value: int, group: object | None, highest: bool) -> int:
     return int(vote.item()) if highest else -int(vote.item())
 
 
+def _choice_key(isa: str) -> str:
+    """The cached timings' key: torch's version, the ISA and the kernels' source with every header beside it (an
+    edit to either measures again)."""
+    headers = b"".join(h.read_bytes() for h in sorted(SOURCE.parent.glob("*.h")))
+    return f"{torch.__version__}|{isa}|{hashlib.sha256(SOURCE.read_bytes() + headers).hexdigest()[:16]}"
+
+
 def choose_gemv_kernel(cache_dir: Path, group: object | None = None) -> tuple[GemvKernel | None, str]:
     """The C few-row GEMV and the largest batch it takes on this machine, or None (PyTorch's kernel below the batch
     kernel's threshold), with a line saying why. Measured once per machine and cached; TP ranks take the smallest
@@ -300,14 +308,15 @@ def choose_gemv_kernel(cache_dir: Path, group: object | None = None) -> tuple[Ge
     loaded = load_int4_gemv(cache_dir / "kernels")
     rows, how, isa = 0, "unavailable (no compiler, AVX2 with FMA, or known 4-bit packing)", ""
     if loaded is not None:
-        from gpu_worker.timing import cached_choice
-
         fn, isa = loaded
-        key = f"{torch.__version__}|{isa}|{hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:16]}"
-        rows, how = cached_choice(cache_dir / "kernel-choice", "int4-gemv-max-rows", key, lambda: _gemv_rows(fn, isa))
+        rows, how = cached_choice(
+            cache_dir / "kernel-choice", "int4-gemv-max-rows", _choice_key(isa), lambda: _gemv_rows(fn, isa)
+        )
     agreed = _agree(rows, group, highest=False)
     if agreed != rows:
         how += f"; another TP rank {'lacks it' if agreed == 0 else f'takes it up to {agreed} rows'}"
+        if loaded is not None:  # a restart then reads what the group used, whichever rank wrote the file last
+            store_choice(cache_dir / "kernel-choice", "int4-gemv-max-rows", _choice_key(isa), agreed, how)
     if not agreed or loaded is None:
         return None, f"4-bit GEMV on PyTorch's kernel ({isa or 'C'} GEMV {how})"
     return GemvKernel(loaded[0], agreed, isa), f"4-bit batches of 1-{agreed} rows on the {isa} GEMV ({how})"
@@ -322,17 +331,16 @@ def choose_batch_kernel(cache_dir: Path, group: object | None = None) -> tuple[B
     loaded = load_int4_batch(cache_dir / "kernels")
     rows, how, isa = 0, f"unavailable: {LOAD_NOTES.get(cache_dir / 'kernels', '')}", ""
     if loaded is not None:
-        from gpu_worker.timing import cached_choice
-
         kernel, isa = loaded
-        key = f"{torch.__version__}|{isa}|{hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:16]}"
         rows, how = cached_choice(
-            cache_dir / "kernel-choice", "int4-batch-min-rows", key, lambda: _crossover(kernel, isa)
+            cache_dir / "kernel-choice", "int4-batch-min-rows", _choice_key(isa), lambda: _crossover(kernel, isa)
         )
     agreed = _agree(rows or 1 << 30, group, highest=True)
     if agreed != (rows or 1 << 30):
         how += f"; another TP rank {'lacks the kernel' if agreed == 1 << 30 else f'needs {agreed} rows'}"
-    rows = 0 if agreed == 1 << 30 else agreed
+        rows = 0 if agreed == 1 << 30 else agreed
+        if loaded is not None:  # a restart then reads what the group used, whichever rank wrote the file last
+            store_choice(cache_dir / "kernel-choice", "int4-batch-min-rows", _choice_key(isa), rows, how)
     if not rows or loaded is None:
         return None, f"4-bit batches on PyTorch's kernel ({isa or 'C'} batch kernel {how})"
     return BatchKernel(loaded[0], rows, isa), f"4-bit batches of {rows}+ rows on the {isa} kernel ({how})"

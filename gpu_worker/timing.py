@@ -30,6 +30,29 @@ def best_time(fn: Callable[[], object], repeats: int) -> float:
     return min(times)
 
 
+def _choice_path(cache_dir: Path, name: str, key: str) -> Path:
+    """Where :func:`cached_choice` keeps ``name``'s answer for ``key`` on this CPU (model and flags in the hash)."""
+    flags = ""
+    with contextlib.suppress(OSError):
+        with open("/proc/cpuinfo") as f:
+            info = f.read()
+        flags = " ".join(line for line in info.splitlines() if line.startswith(("model name", "flags")))[:4000]
+    digest = hashlib.sha256(f"{platform.machine()}|{flags}|{key}".encode()).hexdigest()[:16]
+    return cache_dir / f"{name}-{digest}.json"
+
+
+def store_choice(cache_dir: Path, name: str, key: str, answer: int, how: str) -> None:
+    """Keep ``answer`` as :func:`cached_choice`'s answer for ``name`` and ``key`` (written atomically; an unwritable
+    folder only costs the next start a measurement). TP ranks that agreed on a value other than their own
+    measurement store the agreed one, so a restart reads what the group used, whichever rank wrote last."""
+    path = _choice_path(cache_dir, name, key)
+    with contextlib.suppress(OSError):
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps({"faster": answer, "how": how}))
+        os.replace(tmp, path)
+
+
 def cached_choice(cache_dir: Path, name: str, key: str, measure: Callable[[], tuple[A, str]]) -> tuple[A, str]:
     """``measure()`` (``(answer, how)``: whether a kernel is faster, or a threshold in rows; a bool or an int) run
     once per machine and kept in ``cache_dir/{name}-{hash}.json``.
@@ -38,21 +61,11 @@ def cached_choice(cache_dir: Path, name: str, key: str, measure: Callable[[], tu
     by ``key`` plus the CPU's model and flags, gives every later start, and every restart after a failure, the
     same kernels and so the same outputs. Delete the file to measure again. Returns ``(answer, how)``.
     """
-    flags = ""
-    with contextlib.suppress(OSError):
-        with open("/proc/cpuinfo") as f:
-            info = f.read()
-        flags = " ".join(line for line in info.splitlines() if line.startswith(("model name", "flags")))[:4000]
-    digest = hashlib.sha256(f"{platform.machine()}|{flags}|{key}".encode()).hexdigest()[:16]
-    path = cache_dir / f"{name}-{digest}.json"
+    path = _choice_path(cache_dir, name, key)
     with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
         doc = json.loads(path.read_text())
         if isinstance(doc["faster"], int):  # bool is an int too; anything else is a damaged file: measure again
             return doc["faster"], f"{doc['how']}, measured earlier ({path})"
     faster, how = measure()
-    with contextlib.suppress(OSError):
-        cache_dir.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps({"faster": faster, "how": how}))
-        os.replace(tmp, path)
+    store_choice(cache_dir, name, key, faster, how)
     return faster, how

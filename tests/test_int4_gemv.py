@@ -143,3 +143,36 @@ def test_the_gemv_choice_is_measured_once_then_kept(tmp_path):
         assert float((got - want).abs().max()) <= 2e-6 * float((x.abs().double() @ w.abs().T).max())
     else:
         assert "PyTorch's kernel" in how
+
+
+@pytest.mark.parametrize(("name", "block"), ENTRIES)
+@pytest.mark.parametrize("k", [576, 96])  # 18 groups (summed in two halves) and 3 (one run)
+def test_sums_depend_on_k_alone_not_on_the_cut_the_rows_or_the_threads(lib, name, block, k):
+    """A 64-row cut of a weight (a TP shard, the vocab-parallel head), a narrower output and any thread count give
+    every row the same fp32 sums as the whole weight: 576 rows are 9 blocks, a cut at 64 leaves 8."""
+    fn = _entry_or_skip(lib, name)
+    lin, packed, _ = _weight(576, k, seed=k, block=block)
+    x = torch.randn(3, k, generator=torch.Generator().manual_seed(2))
+    whole = batch_mm(fn, x, packed, lin.scales_zeros, 576)
+    cut = lin.out_rows(64, 576)
+    assert torch.equal(batch_mm(fn, x, packed[64:], cut.scales_zeros, 512), whole[:, 64:])
+    assert torch.equal(batch_mm(fn, x, packed, lin.scales_zeros, 100), whole[:, :100])  # a partial last block
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 3):
+            torch.set_num_threads(n)
+            assert torch.equal(batch_mm(fn, x, packed, lin.scales_zeros, 576), whole)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_a_restart_reads_the_value_the_tp_ranks_agreed_on(tmp_path, monkeypatch):
+    first, _ = choose_gemv_kernel(tmp_path)
+    if first is None or first.max_rows < 2:
+        pytest.skip("no GEMV that takes 2 rows or more on this machine")
+    monkeypatch.setattr(ib, "_agree", lambda value, group, highest: 1)  # another rank takes it up to 1 row
+    agreed, how = choose_gemv_kernel(tmp_path, group=object())
+    assert agreed is not None and agreed.max_rows == 1 and "another TP rank takes it up to 1 rows" in how
+    monkeypatch.undo()
+    again, how2 = choose_gemv_kernel(tmp_path)  # the restart, alone: the file holds what the group used
+    assert again is not None and again.max_rows == 1 and "measured earlier" in how2

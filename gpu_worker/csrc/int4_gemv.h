@@ -74,47 +74,38 @@ typedef void (*gemv_unit_fn)(const float* xf, const float* xs, int64_t M, int64_
 static __thread void* gp_buf;
 static __thread size_t gp_cap;
 
-/* The GEMV over 64-row blocks with unit() for one block's products. An odd number of blocks (SmolLM2's 576 and 960
- * rows: 9 and 15) would leave one of two threads a block more, so then each block's groups are split in two halves,
- * summed into fp32 partials and added in a second pass: the split depends on the shape only, never on the thread
- * count, so the sums are the same however many threads run. Returns 0 = done, 2 = out of memory. */
+/* The GEMV over 64-row blocks with unit() for one block's products. Where K has an even number of groups, each block
+ * sums its two halves of groups separately and adds them, always: a weight of an odd number of blocks (SmolLM2's 576
+ * and 960 rows: 9 and 15) then gives two threads equal shares (each takes half of the block in the middle), and the
+ * sums depend on K alone, never on the thread count or on how many blocks the weight has, so a 64-row cut of a weight
+ * (a TP shard, the vocab-parallel head) computes its rows bit for bit as the whole does. Returns 0 = done, 2 = out of
+ * memory. */
 static int gemv_drive(int64_t M, int64_t N_pad, int64_t K, const void* x, int64_t x_stride, int x_bf16, void* out,
                       int64_t out_stride, int out_bf16, int64_t n_out, const uint8_t* packed, const uint16_t* sz,
                       gemv_unit_fn unit, int block) {
     float* xs;
     const float* xf = gemv4_inputs(M, K, x, x_stride, x_bf16, &xs);
     if (!xf) return 2;
-    const int64_t blocks = (n_out + 63) / 64, G = K / 32, parts = blocks % 2 && G % 2 == 0 ? 2 : 1;
+    const int64_t blocks = (n_out + 63) / 64, G = K / 32, parts = G % 2 == 0 ? 2 : 1;
     const uint32_t* s = (const uint32_t*)sz;
     const size_t esize = out_bf16 ? 2 : 4;
-    if (parts == 1) {
-#pragma omp parallel for schedule(static) if (blocks > 1)
-        for (int64_t nb = 0; nb < blocks; nb++) {
-            float tot[4 * 64] __attribute__((aligned(64)));
-            for (int64_t m0 = 0; m0 < M; m0 += 4) {
-                const int64_t R = M - m0 < 4 ? M - m0 : 4;
-                unit(xf + m0 * K, xs + m0 * G, R, K, N_pad, nb, 0, G, packed, s, tot, 64, block);
-                gemv4_store(tot, R, nb * 64, n_out, (char*)out + m0 * out_stride * esize, out_stride, out_bf16);
-            }
-        }
-        return 0;
-    }
-    const int64_t ld = blocks * 64; /* partials [2][M][blocks * 64] fp32 */
-    float* part = thread_buffer(&gp_buf, &gp_cap, (size_t)(2 * M * ld) * 4);
+    const int64_t ld = blocks * 64; /* partials [parts][M][blocks * 64] fp32 */
+    float* part = thread_buffer(&gp_buf, &gp_cap, (size_t)(parts * M * ld) * 4);
     if (!part) return 2;
-#pragma omp parallel
+#pragma omp parallel if (blocks * parts > 1)
     {
 #pragma omp for schedule(static)
-        for (int64_t w = 0; w < 2 * blocks; w++) {
-            const int64_t nb = w / 2, p = w % 2;
-            unit(xf, xs, M, K, N_pad, nb, p * (G / 2), (p + 1) * (G / 2), packed, s, part + p * M * ld + nb * 64, ld,
-                 block);
+        for (int64_t w = 0; w < parts * blocks; w++) {
+            const int64_t nb = w / parts, p = w % parts;
+            unit(xf, xs, M, K, N_pad, nb, p * (G / parts), (p + 1) * (G / parts), packed, s,
+                 part + p * M * ld + nb * 64, ld, block);
         }
 #pragma omp for schedule(static)
         for (int64_t nb = 0; nb < blocks; nb++) {
             float tot[64] __attribute__((aligned(64)));
             for (int64_t m = 0; m < M; m++) {
-                for (int c = 0; c < 64; c++) tot[c] = part[m * ld + nb * 64 + c] + part[(M + m) * ld + nb * 64 + c];
+                const float* p0 = part + m * ld + nb * 64;
+                for (int c = 0; c < 64; c++) tot[c] = parts == 2 ? p0[c] + p0[M * ld + c] : p0[c];
                 gemv4_store(tot, 1, nb * 64, n_out, (char*)out + m * out_stride * esize, out_stride, out_bf16);
             }
         }
