@@ -240,19 +240,23 @@ def _gate_weights(count: int) -> list:
     ]  # fmt: skip
 
 
+def _pair_times(fn: ctypes._CFuncPtr, mats: list, rows: int, g: torch.Generator) -> tuple[float, float]:  # type: ignore[name-defined]
+    """Seconds for a random bf16 ``x [rows, 576]`` through every weight of ``mats`` on the C kernel ``fn`` and on
+    PyTorch's 4-bit kernel, each the fastest of 5 passes."""
+    from gpu_worker.timing import best_time
+
+    x = torch.randn(rows, mats[0].in_features, generator=g).to(torch.bfloat16)
+    t_c = best_time(lambda: [batch_mm(fn, x, w.packed, w.scales_zeros, w.out_features) for w in mats], 5)
+    return t_c, best_time(lambda: [w.mm_torch(x) for w in mats], 5)
+
+
 def _crossover(fn: ctypes._CFuncPtr, isa: str) -> tuple[int, str]:  # type: ignore[name-defined]
     """The smallest batch in 2, 4, 8, 16, 32 at which the C kernel beats PyTorch's by :data:`MARGIN` through 8
     distinct ``[1536, 576]`` weights (fastest of 5 passes each), 0 if none; and a line with the timings."""
-    from gpu_worker.timing import best_time
-
-    g = torch.Generator().manual_seed(1)
-    n, k = 1536, 576
-    mats = _gate_weights(8)
+    g, mats = torch.Generator().manual_seed(1), _gate_weights(8)
     parts = []
     for rows in (2, 4, 8, 16, 32):
-        x = torch.randn(rows, k, generator=g).to(torch.bfloat16)
-        t_c = best_time(lambda: [batch_mm(fn, x, w.packed, w.scales_zeros, n) for w in mats], 5)  # noqa: B023
-        t_torch = best_time(lambda: [w.mm_torch(x) for w in mats], 5)  # noqa: B023
+        t_c, t_torch = _pair_times(fn, mats, rows, g)
         parts.append(f"{rows} rows: {isa} {t_c * 1e6:.0f} us, torch {t_torch * 1e6:.0f} us")
         if t_c * MARGIN < t_torch:
             return rows, f"from {rows} rows ({'; '.join(parts)})"
@@ -266,16 +270,10 @@ def _gemv_rows(fn: ctypes._CFuncPtr, isa: str) -> tuple[int, str]:  # type: igno
     """The largest batch in 1, 2, 4, 8 up to which the GEMV beats PyTorch's kernel by :data:`GEMV_MARGIN` at every
     size, through 24 distinct ``[1536, 576]`` weights (12 MB: a decode step streams its weights, so they should not
     all sit in cache; fastest of 5 passes each), 0 if not even at one row; and a line with the timings."""
-    from gpu_worker.timing import best_time
-
-    g = torch.Generator().manual_seed(1)
-    n, k = 1536, 576
-    mats = _gate_weights(24)
+    g, mats = torch.Generator().manual_seed(1), _gate_weights(24)
     parts, best = [], 0
     for rows in (1, 2, 4, 8):
-        x = torch.randn(rows, k, generator=g).to(torch.bfloat16)
-        t_c = best_time(lambda: [batch_mm(fn, x, w.packed, w.scales_zeros, n) for w in mats], 5)  # noqa: B023
-        t_torch = best_time(lambda: [w.mm_torch(x) for w in mats], 5)  # noqa: B023
+        t_c, t_torch = _pair_times(fn, mats, rows, g)
         parts.append(f"{rows} rows: {isa} GEMV {t_c * 1e6:.0f} us, torch {t_torch * 1e6:.0f} us")
         if t_c * GEMV_MARGIN >= t_torch:
             break
