@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from gpu_worker import huge_pages
+
 
 class KVCache:
     """K and V tensors, each ``[num_slots, kv_heads_local, head_dim]`` per layer, plus ``req_to_token``.
@@ -35,8 +37,9 @@ class KVCache:
         self.num_slots = num_slots
         self.null_slot = num_slots
         shape = (num_slots + 1, kv_heads, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        # huge pages on CPU: decode attention streams each request's history from here (gpu_worker.huge_pages)
+        self.k = [huge_pages.zeros(shape, dtype, device) for _ in range(num_layers)]
+        self.v = [huge_pages.zeros(shape, dtype, device) for _ in range(num_layers)]
         self.req_to_token = torch.zeros(max_running, context_len, dtype=torch.int64, device=device)
 
     @staticmethod

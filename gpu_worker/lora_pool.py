@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from gpu_worker import huge_pages
 from gpu_worker.lora_cache import CacheKey, HostWeightCache
 from gpu_worker.lora_kernel import (
     TILE_PAD,
@@ -147,13 +148,13 @@ class LoraPool:
                 continue
             # 16 zero rows after each arena: AMX's 16-row shrink tiles may read past the last slot, and the
             # torch path's gathers read them for padding
-            self.A_all[f] = torch.zeros(
-                cfg.num_layers, self.capacity * len(mods) + 16, self._local_dims(mods[0])[0],
-                dtype=self.slot_dtype, device=device,
-            )  # fmt: skip
+            # on huge pages (CPU): a decode step streams every slot's weights, like the model's
+            self.A_all[f] = huge_pages.zeros(
+                (cfg.num_layers, self.capacity * len(mods) + 16, self._local_dims(mods[0])[0]), self.slot_dtype, device
+            )
             for m in mods:
                 shape = (cfg.num_layers, *self._b_shape(self._local_dims(m)[1]))
-                self.B_all[m] = torch.zeros(shape, dtype=self.slot_dtype, device=device)
+                self.B_all[m] = huge_pages.zeros(shape, self.slot_dtype, device)
         self.A_fused: list[dict[str, torch.Tensor]] = []
         self.A: list[dict[str, torch.Tensor]] = []  # views of A_fused: [capacity, in_local] per module
         self.B: list[dict[str, torch.Tensor]] = []

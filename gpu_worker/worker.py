@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from gpu_worker import huge_pages
 from gpu_worker.decode_mirror import DecodeKVMirror
 from gpu_worker.kv_cache import KVCache
 from gpu_worker.logprobs import row_logprobs
@@ -99,6 +100,10 @@ class Worker:
         weights = load_shard(args.model_path, self.cfg, self.plan, self.dtype, self.device, self.quantization)
         self.model = LlamaShard(self.cfg, self.plan, weights, group)  # takes its vocabulary rows of the head
         self.packed_linears = self._pack_linears(weights)
+        if self.device.type == "cpu":  # before any kernel records a weight's address
+            moved = huge_pages.move_to_huge_pages(weights)
+            how = huge_pages.status()
+            log.info("rank %d: %.0f MB of weights moved to huge-page memory (%s)", rank, moved / 1e6, how)
         self._choose_int4_batch_kernel(group)
         self._choose_decode_attention(group)
         release_freed_memory()

@@ -23,6 +23,7 @@
 #define JB 16  /* shrink rows per work item */
 #define MAXIN 4096
 #define MAXRANK 256 /* the vdpbf16ps expand's largest rank (larger ranks take the fp32 expand) */
+#define EXPAND_PF 4096 /* bytes of B prefetched ahead by the AMX expand */
 #define SPF 8192 /* bytes of A prefetched ahead, into L2 (across rows: the hardware prefetcher stops at 4 KiB pages) */
 
 /* x rows tok[0..nt) as fp32 into xf [TB][in_dim], rows nt.. zero */
@@ -455,7 +456,7 @@ static inline int64_t expand_items(const int64_t* seg, int64_t g, const int32_t*
                                    const int64_t* out_k) {
     int64_t s = seg[3 * g], ntb = (seg[3 * g + 2] - seg[3 * g + 1] + TBA - 1) / TBA, n = 0;
     for (int64_t k = 0; k < nmod; k++)
-        if (ranks[s * nmod + k]) n += ntb * ((out_k[k] + 15) / 16);
+        if (ranks[s * nmod + k]) n += ntb * ((out_k[k] + BC - 1) / BC);
     return n;
 }
 
@@ -474,34 +475,37 @@ static void build_ut(const float* uk, int64_t u_stride, int64_t r, int nt, uint1
     }
 }
 
-/* out[tok[t], col .. col + ow) += u_t[:r] @ B[:r, 16 columns] for t < nt, with B in rank pairs: 16 pairs (32 ranks)
- * per tile, read with the 128-byte stride of a 32-column block (b points at the block's first or second 16 columns);
- * rows past the rank's pairs read the next block's weights or the zero pad and meet zeros in the u tile. */
+/* out[tok[t], col .. col + ow) += u_t[:r] @ B[:r, 32 columns] for t < nt: one column block of B in rank pairs,
+ * 16 pairs (32 ranks) per tile and two tiles side by side (columns 0-15 and 16-31 of each 128-byte pair row) into
+ * C tiles 0 and 3, so each line of the block is read by one item. Rows past the rank's pairs read the next block's
+ * weights or the zero pad and meet zeros in the u tile. The block EXPAND_PF bytes ahead is prefetched into L2:
+ * consecutive items of a thread walk a slot's blocks in order, and without it each item waits on memory. */
 static void expand_amx(const uint16_t* ut, int64_t r, const uint16_t* b, int nt, const int64_t* tok, void* out,
                        int64_t out_stride, int out_bf16, int64_t col, int64_t ow) {
-    float cbuf[TBA * 16];
+    float cbuf[TBA * BC] __attribute__((aligned(64)));
+    const char* pf = (const char*)b + EXPAND_PF;
+    for (int64_t q = 0; q < (r + 1) / 2 * 2; q++) __builtin_prefetch(pf + q * 64, 0, 2);
     _tile_zero(0);
+    _tile_zero(3);
     for (int64_t j0 = 0; j0 < r; j0 += 32) {
         _tile_loadd(1, ut + (j0 / 32) * TBA * 32, 64);
         _tile_loadd(2, b + (j0 / 2) * 2 * BC, 2 * BC * 2);
+        _tile_loadd(4, b + (j0 / 2) * 2 * BC + 2 * VW, 2 * BC * 2);
         _tile_dpbf16ps(0, 1, 2);
+        _tile_dpbf16ps(3, 1, 4);
     }
-    _tile_stored(0, cbuf, 64);
-    __mmask16 m = (__mmask16)(ow >= 16 ? 0xffff : (1u << ow) - 1);
+    _tile_stored(0, cbuf, BC * 4);
+    _tile_stored(3, cbuf + VW, BC * 4);
     for (int t = 0; t < nt; t++) {
-        int64_t off = tok[t] * out_stride + col;
-        __m512 d = _mm512_loadu_ps(cbuf + t * 16);
-        if (out_bf16) {
-            uint16_t* o = (uint16_t*)out + off;
-            __m512i w = _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, o)), 16);
-            __m256bh h = _mm512_cvtneps_pbh(_mm512_add_ps(_mm512_castsi512_ps(w), d));
-            __m256i hi;
-            memcpy(&hi, &h, 32);
-            _mm256_mask_storeu_epi16(o, m, hi);
-        } else {
-            float* o = (float*)out + off;
-            _mm512_mask_storeu_ps(o, m, _mm512_add_ps(_mm512_maskz_loadu_ps(m, o), d));
+        const int64_t off = tok[t] * out_stride + col;
+        const __m512 lo = _mm512_load_ps(cbuf + t * BC), hi = _mm512_load_ps(cbuf + t * BC + VW);
+        if (out_bf16 && ow == BC) {
+            add_bf16_32((uint16_t*)out + off, lo, hi);
+            continue;
         }
+        v16 l, h;
+        memcpy(&l, &lo, 64), memcpy(&h, &hi, 64);
+        store_add(out, off, out_bf16, l, h, ow);
     }
 }
 #endif
@@ -535,7 +539,7 @@ int loom_lora_sgmv(int64_t in_dim, const void* x, int x_bf16, void* out, int64_t
         float xf[TB * MAXIN];
         int64_t xf_p0 = -1, xf_nt = 0; /* the token block xf holds (static schedules hand a thread runs of one block) */
 #if HAVE_AMX
-        if (amx) amx_config(3);
+        if (amx) amx_config(5);
         if (amx) {
             /* shrink: work items = (segment, block of TBA tokens, 16-row tile), numbered across all segments so the
              * threads split the whole step evenly (a segment alone may be one tile); xf holds the block's xv */
@@ -599,20 +603,20 @@ int loom_lora_sgmv(int64_t in_dim, const void* x, int x_bf16, void* out, int64_t
                 int64_t s = seg[3 * g], p0 = seg[3 * g + 1], p1 = seg[3 * g + 2], k = 0;
                 int64_t ntb = (p1 - p0 + TBA - 1) / TBA;
                 for (;; k++) {
-                    int64_t nk = ranks[s * nmod + k] ? ntb * ((out_k[k] + 15) / 16) : 0;
+                    int64_t nk = ranks[s * nmod + k] ? ntb * ((out_k[k] + BC - 1) / BC) : 0;
                     if (rest < nk) break;
                     rest -= nk;
                 }
-                int64_t r = ranks[s * nmod + k], nct = (out_k[k] + 15) / 16;
+                int64_t r = ranks[s * nmod + k], nct = (out_k[k] + BC - 1) / BC;
                 int64_t pa = p0 + rest / nct * TBA, ct = rest % nct;
                 int nt = (int)((p1 - pa) < TBA ? (p1 - pa) : TBA);
-                const uint16_t* b = (const uint16_t*)B[k] + start[s] * bstep(out_k[k]) + (ct / 2) * blk_elems(r, 1) + ct % 2 * VW * 2;
+                const uint16_t* b = (const uint16_t*)B[k] + start[s] * bstep(out_k[k]) + ct * blk_elems(r, 1);
                 if (g != ut_g || k != ut_k || pa != ut_p) {
                     build_ut(u + pa * u_stride + k * (u_stride / nmod), u_stride, r, nt, (uint16_t*)xf);
                     ut_g = g, ut_k = k, ut_p = pa;
                 }
-                expand_amx((const uint16_t*)xf, r, b, nt, tok + pa, out, out_stride, out_bf16, col_k[k] + ct * 16,
-                           out_k[k] - ct * 16 < 16 ? out_k[k] - ct * 16 : 16);
+                expand_amx((const uint16_t*)xf, r, b, nt, tok + pa, out, out_stride, out_bf16, col_k[k] + ct * BC,
+                           out_k[k] - ct * BC < BC ? out_k[k] - ct * BC : BC);
             }
             _tile_release();
         } else

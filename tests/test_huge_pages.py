@@ -1,0 +1,85 @@
+"""gpu_worker.huge_pages: buffers on 2 MiB pages where Linux allows, weights moved there without changing a value."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+from gpu_worker import huge_pages as hp
+
+
+def _thp_mode() -> str:
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            return f.read().split("[")[1].split("]")[0]
+    except (OSError, IndexError):
+        return "never"
+
+
+def test_empty_is_aligned_and_small_buffers_stay_plain():
+    t = hp.zeros((3, 1 << 20), torch.float32)  # 12 MiB
+    assert t.is_contiguous() and t.shape == (3, 1 << 20) and t.dtype == torch.float32
+    assert not t.any()
+    if sys.platform == "linux":
+        assert t.data_ptr() % hp.HUGE == 0
+    small = hp.empty(100, torch.bfloat16)
+    assert small.shape == (100,) and small.dtype == torch.bfloat16
+
+
+@pytest.mark.skipif(sys.platform != "linux" or _thp_mode() == "never", reason="no transparent huge pages here")
+def test_advised_buffer_gets_huge_pages():
+    before = hp.anon_huge_bytes()
+    t = hp.zeros(16 << 20, torch.uint8)
+    got = hp.anon_huge_bytes() - before
+    # the kernel may find no free 2 MiB page when memory is fragmented: require some, not all
+    assert got >= hp.HUGE, f"no huge page after touching 16 MiB advised memory ({hp.status()})"
+    del t
+
+
+def test_disabled_by_environment(monkeypatch):
+    monkeypatch.setenv("LOOM_HUGE_PAGES", "0")
+    assert not hp.enabled()
+    w = {"a": torch.randn(1 << 20)}
+    ptr = w["a"].data_ptr()
+    assert hp.move_to_huge_pages(w) == 0 and w["a"].data_ptr() == ptr
+    assert "off" in hp.status() or sys.platform != "linux"
+
+
+class _Quantised:
+    def __init__(self) -> None:
+        self.packed = torch.randint(0, 255, (3000, 700), dtype=torch.uint8)
+        self.scales = torch.randn(3000, 22).to(torch.bfloat16)
+        self.out_features = 3000
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="moves only where madvise exists")
+def test_move_keeps_values_views_and_ties():
+    """Dense weights, a view and a dtype view of one storage, a tied pair, a quantised linear's attributes and
+    nested lists all keep their values and their sharing; the old storages are released."""
+    emb = torch.randn(4000, 576)
+    lm_head = emb  # tied weights: one tensor object twice
+    rows = emb[100:300]  # a view (like a TP rank's vocabulary rows)
+    as_int = emb.view(torch.int32)[7:9]
+    q = _Quantised()
+    w = {"embed": emb, "lm_head": lm_head, "rows": rows, "bits": as_int, "layers": [{"q": q, "n": torch.ones(576)}]}
+    want = {
+        "embed": emb.clone(),
+        "rows": rows.clone(),
+        "bits": as_int.clone(),
+        "packed": q.packed.clone(),
+        "scales": q.scales.clone(),
+    }
+    old = emb.untyped_storage().data_ptr()
+    moved = hp.move_to_huge_pages(w)
+    assert moved >= emb.numel() * 4 + q.packed.numel()
+    assert emb.untyped_storage().data_ptr() != old
+    assert torch.equal(emb, want["embed"]) and w["lm_head"] is emb
+    assert torch.equal(rows, want["rows"]) and torch.equal(as_int, want["bits"])
+    assert torch.equal(q.packed, want["packed"]) and torch.equal(q.scales, want["scales"])
+    assert q.out_features == 3000 and torch.equal(w["layers"][0]["n"], torch.ones(576))
+    shared = {t.untyped_storage().data_ptr() for t in (emb, rows, as_int, q.packed, q.scales)}
+    assert len(shared) == 1  # one arena
+    emb[100, 0] = 42.0  # a view still sees writes through its base: the sharing survived the move
+    assert rows[0, 0].item() == 42.0
