@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from gpu_worker.native_build import CSRC, load_kernel
+from gpu_worker.native_build import CSRC, arg_block, load_kernel
 
 SOURCE = CSRC / "lora_sgmv.c"
 MAX_IN_DIM = 4096  # the kernel's per-thread row buffers; wider inputs use the torch path
@@ -67,28 +67,12 @@ def unpack_b(src: torch.Tensor, fout: int, r: int) -> torch.Tensor:
     return src[: nb * r * BLOCK_COLS].view(nb, r, BLOCK_COLS).transpose(0, 1).reshape(r, nb * BLOCK_COLS)[:, :fout]
 
 
-_I64, _I32, _P = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
-_ARGTYPES = [
-    _I64,  # in_dim
-    _P,  # x
-    _I32,  # x_bf16
-    _P,  # out
-    _I64,  # out_stride (elements)
-    _I32,  # out_bf16
-    _P,  # tok (int64: the LoRA tokens' rows, grouped by slot)
-    _I64,  # nseg
-    _P,  # seg (int64 nseg x 3)
-    _P,  # A (the fused arena, [rows, in])
-    _P,  # start (int64 [slots]: each slot's first rank row in the arenas)
-    _I32,  # w_bf16
-    _I64,  # nmod
-    _P,  # ranks (int32 [slots, nmod] of this layer)
-    _P,  # B (nmod pointers)
-    _P,  # out_k (int64 x nmod)
-    _P,  # col_k (int64 x nmod)
-    _P,  # u scratch (fp32)
-    _I64,  # u_stride
-]
+# loom_lora_sgmv takes one block of 19 int64 (native_build.arg_block): in_dim, x, x_bf16, out, out_stride
+# (elements), out_bf16, tok (int64: the LoRA tokens' rows, grouped by slot), nseg, seg (int64 nseg x 3), A (the
+# fused arena, [rows, in]), start (int64 [slots]: each slot's first rank row in the arenas), w_bf16, nmod, ranks
+# (int32 [slots, nmod] of this layer), B (nmod pointers), out_k (int64 x nmod), col_k (int64 x nmod), u (fp32
+# scratch), u_stride
+_ARGTYPES = [ctypes.c_void_p]
 
 
 # why the last load_sgmv(cache_dir) has no kernel, or runs it single-threaded ("" = built with OpenMP)
@@ -135,7 +119,11 @@ class SgmvLayerArgs:
         self.b_ptrs = (ctypes.c_void_p * n)(*[b.data_ptr() for b in Bs])
         self.out_k = (ctypes.c_int64 * n)(*outs)
         self.col_k = (ctypes.c_int64 * n)(*cols)
-        self.tail = (A.data_ptr(), start.data_ptr(), self.w_bf16, n, ranks.data_ptr(), self.b_ptrs)
+        # arguments 9-16 of the kernel's block (the arrays above are kept alive by this object)
+        self.tail = (
+            A.data_ptr(), start.data_ptr(), self.w_bf16, n, ranks.data_ptr(),
+            ctypes.addressof(self.b_ptrs), ctypes.addressof(self.out_k), ctypes.addressof(self.col_k),
+        )  # fmt: skip
 
 
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
@@ -167,22 +155,9 @@ def sgmv_add(
             f"{tuple(x.shape)}, out {out.dtype} strides {out.stride()}"
         )
     x = x.contiguous()
-    rc = fn(
-        la.in_dim,
-        x.data_ptr(),
-        int(x.dtype == torch.bfloat16),
-        out.data_ptr(),
-        out.stride(0),
-        int(out.dtype == torch.bfloat16),
-        tok.data_ptr(),
-        seg.shape[0],
-        seg.data_ptr(),
-        *la.tail,
-        la.out_k,
-        la.col_k,
-        u.data_ptr(),
-        u.stride(0),
-    )
+    bf16 = torch.bfloat16
+    args = (la.in_dim, x.data_ptr(), x.dtype == bf16, out.data_ptr(), out.stride(0), out.dtype == bf16)
+    rc = fn(arg_block(*args, tok.data_ptr(), seg.shape[0], seg.data_ptr(), *la.tail, u.data_ptr(), u.stride(0)))
     if rc:
         raise ValueError(f"cpu-sgmv: input width {la.in_dim} over the kernel's {MAX_IN_DIM}")
 

@@ -521,11 +521,12 @@ static void expand_amx(const uint16_t* ut, int64_t r, const uint16_t* b, int nt,
  * blocks of 32 (zero past out_k[k]): fp32 [blocks][r][32], bf16 [blocks][ceil(r / 2)][32][2] (start[s] even),
  * the arena followed by a zero pad.
  * u: fp32 scratch [len(tok) + 8][u_stride >= largest rank * nmod], module-major rows, rows past len(tok) zero. */
-int loom_lora_sgmv(int64_t in_dim, const void* x, int x_bf16, void* out, int64_t out_stride, int out_bf16,
-                   const int64_t* tok, int64_t nseg, const int64_t* seg, const void* A, const int64_t* start,
-                   int w_bf16, int64_t nmod, const int32_t* ranks, const void* const* B,
-                   const int64_t* out_k, const int64_t* col_k, float* u, int64_t u_stride) {
+static int lora_sgmv(int64_t in_dim, const void* x, int x_bf16, void* out, int64_t out_stride, int out_bf16,
+                     const int64_t* tok, int64_t nseg, const int64_t* seg, const void* A, const int64_t* start,
+                     int w_bf16, int64_t nmod, const int32_t* ranks, const void* const* B,
+                     const int64_t* out_k, const int64_t* col_k, float* u, int64_t u_stride) {
     if (in_dim > MAXIN) return -1;
+    if (nseg == 0) return 0; /* no adapter rows: skip the threads' fork and join */
     const int64_t esz = w_bf16 ? 2 : 4;
     const int bf16dot = HAVE_BF16_DOT && x_bf16 && w_bf16;
 #if HAVE_AMX
@@ -664,4 +665,13 @@ int loom_lora_sgmv(int64_t in_dim, const void* x, int x_bf16, void* out, int64_t
         }
     }
     return 0;
+}
+
+/* The entry point: the arguments of lora_sgmv above as one block of 19 int64 (pointers and flags as integers, in
+ * that order), because ctypes spends ~5 us per call converting 19 separate arguments and a step makes 120 calls. */
+int loom_lora_sgmv(const int64_t* a) {
+    return lora_sgmv(a[0], (const void*)a[1], (int)a[2], (void*)a[3], a[4], (int)a[5], (const int64_t*)a[6], a[7],
+                     (const int64_t*)a[8], (const void*)a[9], (const int64_t*)a[10], (int)a[11], a[12],
+                     (const int32_t*)a[13], (const void* const*)a[14], (const int64_t*)a[15], (const int64_t*)a[16],
+                     (float*)a[17], a[18]);
 }
