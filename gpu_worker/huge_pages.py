@@ -74,10 +74,13 @@ def zeros(shape: Iterable[int] | int, dtype: torch.dtype, device: torch.device |
 
 def _tensors(obj: object, found: list[torch.Tensor], depth: int = 0) -> None:
     """Strided CPU tensors reachable from ``obj`` through dicts, lists, tuples and (one level of) object
-    attributes, e.g. the weights dict of :func:`gpu_worker.weights.load_shard` and its quantised linears."""
+    attributes, e.g. the weights dict of :func:`gpu_worker.weights.load_shard` and its quantised linears, and the
+    base tensor of every view among them (a base left behind would keep the old storage alive)."""
     if isinstance(obj, torch.Tensor):
         if obj.device.type == "cpu" and obj.layout == torch.strided and not obj.is_mkldnn:
             found.append(obj)
+            if obj._base is not None:
+                _tensors(obj._base, found, depth)
     elif isinstance(obj, dict):
         for v in obj.values():
             _tensors(v, found, depth)
@@ -89,37 +92,74 @@ def _tensors(obj: object, found: list[torch.Tensor], depth: int = 0) -> None:
             _tensors(v, found, depth + 1)
 
 
+def _regions(tensors: list[torch.Tensor]) -> list[tuple[int, int, list[torch.Tensor]]]:
+    """The tensors grouped by the memory their storages span: ``(start, end, tensors)`` byte ranges, storages
+    that overlap (views, tied weights, two ``from_numpy`` of one array) merged, so they keep sharing once moved."""
+    spans = sorted(
+        ((t.untyped_storage().data_ptr(), t.untyped_storage().nbytes(), t) for t in tensors), key=lambda x: x[:2]
+    )
+    out: list[tuple[int, int, list[torch.Tensor]]] = []
+    for ptr, n, t in spans:
+        if out and ptr < out[-1][1]:
+            start, end, ts = out[-1]
+            out[-1] = (start, max(end, ptr + n), [*ts, t])
+        else:
+            out.append((ptr, ptr + n, [t]))
+    return out
+
+
+def _movable(start: int, ts: list[torch.Tensor]) -> bool:
+    """Whether ``set_`` can repoint all of a region's tensors: no autograd or inference tensors, and each one's
+    place expressible in its own elements from the region's start."""
+    return all(
+        not t.requires_grad
+        and not t.is_inference()
+        and (t.untyped_storage().data_ptr() - start) % t.element_size() == 0
+        for t in ts
+    )
+
+
 def move_to_huge_pages(root: object) -> int:
     """Copy every CPU tensor reachable from ``root`` (see :func:`_tensors`) into one huge-page buffer and point
     the tensors at it in place (``Tensor.set_``), so every holder of those tensor objects sees the new memory and
-    the old storages are freed. Tensors sharing a storage (views, tied weights) keep sharing it. Returns the bytes
-    moved (0 when disabled or nothing is large enough).
+    the old storages are freed. Tensors sharing memory (views and their bases, tied weights, overlapping storages)
+    keep sharing it. Returns the bytes moved: 0 when disabled, when too little is found, or when the buffer cannot
+    be allocated (advice, never a requirement: the tensors then stay where they are). A region holding a tensor
+    that needs autograd or is an inference tensor is left in place.
 
-    Call it before anything records the tensors' ``data_ptr()`` (the worker does, right after loading), and only
-    on tensors whose other views are reachable too: a view left out keeps the old storage alive (correct, since
-    weights are read-only, but it doubles that storage's memory).
+    Call it before anything records the tensors' ``data_ptr()`` (the worker does, right after loading). A view not
+    reachable from ``root`` keeps its old storage alive: correct, since weights are read-only, but held twice.
     """
     if not enabled() or _madvise() is None:
         return 0
     found: list[torch.Tensor] = []
     _tensors(root, found)
-    groups: dict[int, dict[int, torch.Tensor]] = {}  # storage address -> the tensors on it, each object once
-    for t in found:
-        groups.setdefault(t.untyped_storage().data_ptr(), {})[id(t)] = t
-    total = sum(-(-next(iter(ts.values())).untyped_storage().nbytes() // 64) * 64 for ts in groups.values())
+    unique = list({id(t): t for t in found}.values())  # a tied weight is reachable twice: repoint it once
+    regions = [(a, b, ts) for a, b, ts in _regions(unique) if _movable(a, ts)]
+    total = sum(-(-(b - a) // 64) * 64 for a, b, _ in regions)
     if total < MIN_BYTES:
         return 0
-    arena = empty(total, torch.uint8)
+    try:
+        arena = empty(total, torch.uint8)
+    except (RuntimeError, MemoryError) as e:
+        log.warning("huge pages: no %d-byte buffer for the weights, left where they are (%s)", total, e)
+        return 0
     new = arena.untyped_storage()
     off = arena.data_ptr() - new.data_ptr()  # the arena's own offset in its (larger) allocation, 64-byte aligned
-    for ts in groups.values():
-        old = next(iter(ts.values())).untyped_storage()
-        n = old.nbytes()
-        arena[off - arena.storage_offset() :][:n].copy_(torch.empty(0, dtype=torch.uint8).set_(old))
-        for t in ts.values():  # rebound storage by storage, so each old one is freed at once (peak: one storage more)
-            t.set_(new, off // t.element_size() + t.storage_offset(), t.shape, t.stride())
-        del old, ts
-        off += -(-n // 64) * 64
+    for start, end, ts in regions:
+        dst = arena[off - arena.storage_offset() :]
+        copied = set()
+        for t in ts:  # each storage once; overlapping ones write the same bytes to the same place
+            s = t.untyped_storage()
+            if (s.data_ptr(), s.nbytes()) not in copied:
+                copied.add((s.data_ptr(), s.nbytes()))
+                at = s.data_ptr() - start
+                dst[at : at + s.nbytes()].copy_(torch.empty(0, dtype=torch.uint8).set_(s))
+        for t in ts:  # repointed region by region, so each old storage is freed at once (peak: one region more)
+            at = off + t.untyped_storage().data_ptr() - start
+            t.set_(new, at // t.element_size() + t.storage_offset(), t.shape, t.stride())
+        del ts, t, s
+        off += -(-(end - start) // 64) * 64
     return total
 
 

@@ -10,6 +10,12 @@ import torch
 from gpu_worker import huge_pages as hp
 
 
+@pytest.fixture(autouse=True)
+def _huge_pages_on(monkeypatch):
+    """These tests are about the feature itself: an environment that turned it off must not fail them."""
+    monkeypatch.delenv("LOOM_HUGE_PAGES", raising=False)
+
+
 def _thp_mode() -> str:
     try:
         with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
@@ -83,3 +89,45 @@ def test_move_keeps_values_views_and_ties():
     assert len(shared) == 1  # one arena
     emb[100, 0] = 42.0  # a view still sees writes through its base: the sharing survived the move
     assert rows[0, 0].item() == 42.0
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="moves only where madvise exists")
+def test_move_takes_a_views_unreachable_base_along():
+    """A weight that is a view of a base nothing else holds (a full-width slice at TP=1, a TP rank's head rows):
+    the base moves too, so no old storage stays alive beside the new copy."""
+    q = torch.ones(1024, 2048, dtype=torch.int8)
+    w = {"down": q[:, 0:2048].contiguous()}  # a full-width slice: .contiguous() returns the view itself
+    assert w["down"]._base is q
+    del q
+    assert hp.move_to_huge_pages(w) > 0
+    v = w["down"]
+    assert v._base.untyped_storage().data_ptr() == v.untyped_storage().data_ptr()
+    assert v.data_ptr() % hp.HUGE == 0 and bool((v == 1).all())
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="moves only where madvise exists")
+def test_move_keeps_overlapping_storages_shared():
+    """Distinct storages over one memory (two from_numpy of one array, at the same start with different sizes or
+    at different starts) are moved as one region: every value is kept and writes still reach all of them."""
+    np = pytest.importorskip("numpy")
+    arr = np.arange(1 << 20, dtype=np.float32)
+    head, full, tail = torch.from_numpy(arr[:16]), torch.from_numpy(arr), torch.from_numpy(arr[5:])
+    other = torch.full((1 << 18,), -1.0)
+    w = {"head": head, "full": full, "tail": tail, "other": other}
+    assert hp.move_to_huge_pages(w) > 0
+    assert torch.equal(full, torch.arange(1 << 20, dtype=torch.float32))
+    assert torch.equal(head, full[:16]) and torch.equal(tail, full[5:]) and bool((other == -1).all())
+    full[7] = 1234.0
+    assert head[7].item() == 1234.0 and tail[2].item() == 1234.0
+
+
+def test_move_leaves_autograd_tensors_and_is_only_advice():
+    """A tensor that needs autograd (an nn.Parameter) stays where it is, with no error; the rest still moves."""
+    p = torch.nn.Parameter(torch.randn(1 << 20))
+    plain = torch.randn(1 << 20)
+    ptr = p.data_ptr()
+    w = {"p": p, "plain": plain}
+    moved = hp.move_to_huge_pages(w)
+    assert p.data_ptr() == ptr
+    if sys.platform == "linux":
+        assert moved == plain.numel() * 4 and plain.data_ptr() % hp.HUGE == 0
