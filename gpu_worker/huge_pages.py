@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import mmap
 import os
 import sys
 from collections.abc import Iterable
@@ -48,7 +49,8 @@ def empty(shape: Iterable[int] | int, dtype: torch.dtype, device: torch.device |
     """``torch.empty(shape, dtype=dtype, device=device)`` whose memory starts on a 2 MiB boundary and is advised
     ``MADV_HUGEPAGE`` before anything touches it, for CPU buffers of at least :data:`MIN_BYTES` (others, and any
     failed advice, give a plain ``torch.empty``). The returned tensor is contiguous; it is a view of a slightly
-    larger allocation (up to 2 MiB more address space, never touched, so no more resident memory).
+    larger anonymous mapping of its own (up to 2 MiB more address space, never touched, so no more resident
+    memory), unmapped when the last view of it goes.
     """
     size = torch.Size([shape] if isinstance(shape, int) else list(shape))
     nbytes = size.numel() * torch.empty((), dtype=dtype).element_size()
@@ -59,7 +61,15 @@ def empty(shape: Iterable[int] | int, dtype: torch.dtype, device: torch.device |
     # the advice covers the whole huge pages inside the buffer: a partial one past its end would be resident
     # in full once touched (up to 2 MiB more per buffer)
     span = nbytes // HUGE * HUGE
-    raw = torch.empty(nbytes + HUGE, dtype=torch.uint8)
+    # a fresh anonymous mapping, never touched: memory from malloc may be a reused, already-faulted heap chunk,
+    # and advice does not change pages that exist (glibc serves up to 32 MiB from its heap once large blocks were
+    # freed, as loading does). The tensor keeps the mapping alive; it is unmapped with the last view.
+    try:
+        raw = torch.frombuffer(
+            mmap.mmap(-1, nbytes + HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS), dtype=torch.uint8
+        )
+    except (OSError, ValueError):
+        return torch.empty(size, dtype=dtype)
     base = raw.data_ptr()
     skip = -base % HUGE
     if madvise(base + skip, span, MADV_HUGEPAGE) != 0:
