@@ -186,13 +186,17 @@ def anon_huge_bytes() -> int:
     return 0
 
 
+def thp_mode() -> str:
+    """The system's transparent-huge-page mode (``always``, ``madvise``, ``never``), or ``unknown``."""
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            return f.read().split("[")[1].split("]")[0]
+    except (OSError, IndexError):
+        return "unknown"
+
+
 def status() -> str:
     """One line for the logs: the system's THP mode and how much of this process is on huge pages."""
     if not enabled():
         return "huge pages off (LOOM_HUGE_PAGES=0)" if sys.platform == "linux" else "no huge pages on this OS"
-    try:
-        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
-            mode = f.read().split("[")[1].split("]")[0]
-    except (OSError, IndexError):
-        mode = "unknown"
-    return f"THP mode {mode}, {anon_huge_bytes() / 1e6:.0f} MB of this process on huge pages"
+    return f"THP mode {thp_mode()}, {anon_huge_bytes() / 1e6:.0f} MB of this process on huge pages"

@@ -43,7 +43,7 @@ from pathlib import Path
 import torch
 
 from gpu_worker.native_build import CSRC, load_library
-from gpu_worker.timing import cached_choice, store_choice
+from gpu_worker.timing import best_time, cached_choice, store_choice
 
 log = logging.getLogger(__name__)
 
@@ -243,8 +243,6 @@ def _gate_weights(count: int) -> list:
 def _pair_times(fn: ctypes._CFuncPtr, mats: list, rows: int, g: torch.Generator) -> tuple[float, float]:  # type: ignore[name-defined]
     """Seconds for a random bf16 ``x [rows, 576]`` through every weight of ``mats`` on the C kernel ``fn`` and on
     PyTorch's 4-bit kernel, each the fastest of 5 passes."""
-    from gpu_worker.timing import best_time
-
     x = torch.randn(rows, mats[0].in_features, generator=g).to(torch.bfloat16)
     t_c = best_time(lambda: [batch_mm(fn, x, w.packed, w.scales_zeros, w.out_features) for w in mats], 5)
     return t_c, best_time(lambda: [w.mm_torch(x) for w in mats], 5)
@@ -304,17 +302,16 @@ def choose_gemv_kernel(cache_dir: Path, group: object | None = None) -> tuple[Ge
     kernel's threshold), with a line saying why. Measured once per machine and cached; TP ranks take the smallest
     ``max_rows`` among them (none if any rank lacks a GEMV)."""
     loaded = load_int4_gemv(cache_dir / "kernels")
-    rows, how, isa = 0, "unavailable (no compiler, AVX2 with FMA, or known 4-bit packing)", ""
+    rows, how, isa, key = 0, "unavailable (no compiler, AVX2 with FMA, or known 4-bit packing)", "", ""
     if loaded is not None:
         fn, isa = loaded
-        rows, how = cached_choice(
-            cache_dir / "kernel-choice", "int4-gemv-max-rows", _choice_key(isa), lambda: _gemv_rows(fn, isa)
-        )
+        key = _choice_key(isa)
+        rows, how = cached_choice(cache_dir / "kernel-choice", "int4-gemv-max-rows", key, lambda: _gemv_rows(fn, isa))
     agreed = _agree(rows, group, highest=False)
     if agreed != rows:
         how += f"; another TP rank {'lacks it' if agreed == 0 else f'takes it up to {agreed} rows'}"
         if loaded is not None:  # a restart then reads what the group used, whichever rank wrote the file last
-            store_choice(cache_dir / "kernel-choice", "int4-gemv-max-rows", _choice_key(isa), agreed, how)
+            store_choice(cache_dir / "kernel-choice", "int4-gemv-max-rows", key, agreed, how)
     if not agreed or loaded is None:
         return None, f"4-bit GEMV on PyTorch's kernel ({isa or 'C'} GEMV {how})"
     return GemvKernel(loaded[0], agreed, isa), f"4-bit batches of 1-{agreed} rows on the {isa} GEMV ({how})"
@@ -327,18 +324,19 @@ def choose_batch_kernel(cache_dir: Path, group: object | None = None) -> tuple[B
     size. (Ranks on CPUs of different ISAs would multiply the same weights on different kernels, equal to within
     fp32 rounding.)"""
     loaded = load_int4_batch(cache_dir / "kernels")
-    rows, how, isa = 0, f"unavailable: {LOAD_NOTES.get(cache_dir / 'kernels', '')}", ""
+    rows, how, isa, key = 0, f"unavailable: {LOAD_NOTES.get(cache_dir / 'kernels', '')}", "", ""
     if loaded is not None:
         kernel, isa = loaded
+        key = _choice_key(isa)
         rows, how = cached_choice(
-            cache_dir / "kernel-choice", "int4-batch-min-rows", _choice_key(isa), lambda: _crossover(kernel, isa)
+            cache_dir / "kernel-choice", "int4-batch-min-rows", key, lambda: _crossover(kernel, isa)
         )
     agreed = _agree(rows or 1 << 30, group, highest=True)
     if agreed != (rows or 1 << 30):
         how += f"; another TP rank {'lacks the kernel' if agreed == 1 << 30 else f'needs {agreed} rows'}"
         rows = 0 if agreed == 1 << 30 else agreed
         if loaded is not None:  # a restart then reads what the group used, whichever rank wrote the file last
-            store_choice(cache_dir / "kernel-choice", "int4-batch-min-rows", _choice_key(isa), rows, how)
+            store_choice(cache_dir / "kernel-choice", "int4-batch-min-rows", key, rows, how)
     if not rows or loaded is None:
         return None, f"4-bit batches on PyTorch's kernel ({isa or 'C'} batch kernel {how})"
     return BatchKernel(loaded[0], rows, isa), f"4-bit batches of {rows}+ rows on the {isa} kernel ({how})"

@@ -16,14 +16,6 @@ def _huge_pages_on(monkeypatch):
     monkeypatch.delenv("LOOM_HUGE_PAGES", raising=False)
 
 
-def _thp_mode() -> str:
-    try:
-        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
-            return f.read().split("[")[1].split("]")[0]
-    except (OSError, IndexError):
-        return "never"
-
-
 def test_empty_is_aligned_and_small_buffers_stay_plain():
     t = hp.zeros((3, 1 << 20), torch.float32)  # 12 MiB
     assert t.is_contiguous() and t.shape == (3, 1 << 20) and t.dtype == torch.float32
@@ -52,7 +44,10 @@ def _vma(addr: int) -> dict[str, str]:
     return entry
 
 
-@pytest.mark.skipif(sys.platform != "linux" or _thp_mode() == "never", reason="no transparent huge pages here")
+_NO_THP = sys.platform != "linux" or hp.thp_mode() in ("never", "unknown")
+
+
+@pytest.mark.skipif(_NO_THP, reason="no transparent huge pages here")
 def test_advised_buffer_is_its_own_mapping_marked_for_huge_pages():
     """The buffer is a fresh mapping advised MADV_HUGEPAGE ("hg" in its VmFlags). Whether the kernel then finds
     free 2 MiB pages depends on the machine's memory, so only the advice itself is required here."""
