@@ -1,6 +1,7 @@
 """Build and load Loom's C kernels (``gpu_worker/csrc/*.c``) with the system C compiler, once per machine.
 
-A kernel is plain C compiled with ``-O3 -march=native`` (so the vector ISA is whatever this CPU has) and OpenMP
+A kernel is plain C compiled with ``-O3 -march=native`` (so the vector ISA is whatever this CPU has; ``$LOOM_MARCH``
+names another target, see :func:`march`) and OpenMP
 (it then shares torch's already-loaded libgomp, so both use one thread pool). The shared object is kept in
 ``$LOOM_CACHE_DIR/kernels/`` under a key of the source and the headers beside it, the build flags, the compiler's
 version and the CPU's flags, with its sha256 next to it (a file that does not match is rebuilt, never loaded); TP
@@ -17,6 +18,7 @@ import hashlib
 import logging
 import os
 import platform
+import re
 import shlex
 import shutil
 import subprocess
@@ -31,7 +33,36 @@ CSRC = Path(__file__).resolve().parent / "csrc"
 
 # never -ffast-math: linking a shared object with it sets flush-to-zero for the whole process (crtfastmath.o), which
 # silently changes torch's and the sampler's numerics; -ffp-contract=fast lets the compiler use FMA
-CFLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fno-math-errno", "-fPIC", "-shared", "-std=gnu11"]
+CFLAGS = ["-O3", "-ffp-contract=fast", "-fno-math-errno", "-fPIC", "-shared", "-std=gnu11"]
+_MARCH = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+-]{0,63}")
+# what else caps the instruction set a worker's kernels and torch's run on (PyTorch's kernel dispatch, oneDNN)
+ISA_CAPS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA")
+
+
+def march() -> str:
+    """The ``-march`` the kernels are built for: ``$LOOM_MARCH`` where set, else ``native`` (this CPU's whole ISA).
+
+    An older target on a newer CPU (``haswell`` or ``x86-64-v3``: AVX2 and FMA only) builds and runs the kernels an
+    AVX2-only CPU gets; with ``ATEN_CPU_CAPABILITY=avx2`` and ``ONEDNN_MAX_CPU_ISA=AVX2`` for torch too, a whole
+    cluster runs that machine's instruction set (not its memory system). Raises ValueError for a value that is not
+    one compiler word (it goes on the compiler's command line).
+    """
+    value = os.environ.get("LOOM_MARCH", "").strip() or "native"
+    if not _MARCH.fullmatch(value):
+        raise ValueError(f"LOOM_MARCH={value!r} is not a -march name such as native, haswell or x86-64-v3")
+    return value
+
+
+def isa_caps() -> str:
+    """What narrows the instruction set here: ``-march`` and :data:`ISA_CAPS` where set (``march=native`` when
+    nothing is); part of every built kernel's and every cached kernel choice's key, and of the benchmarks' header."""
+    caps = [f"{name}={os.environ[name]}" for name in ISA_CAPS if os.environ.get(name)]
+    return " ".join([f"march={march()}", *caps])
+
+
+def cflags(openmp: bool) -> list[str]:
+    """The compiler flags of one kernel build (:data:`CFLAGS`, ``-march``, and ``-fopenmp`` for an OpenMP one)."""
+    return [*CFLAGS, f"-march={march()}", *(["-fopenmp"] if openmp else [])]
 
 
 def cpu_flags() -> str:
@@ -58,7 +89,7 @@ def _digest_path(so: Path) -> Path:
 
 def _build(cc: list[str], source: Path, out: Path, openmp: bool) -> None:
     """Compile into a private file, record its sha256 next to it, and rename both into place."""
-    flags = CFLAGS + (["-fopenmp"] if openmp else [])
+    flags = cflags(openmp)
     tmp = out.with_name(f"{out.name}.tmp{os.getpid()}")
     digest = out.with_name(f"{out.name}.sha256.tmp{os.getpid()}")
     try:
@@ -97,12 +128,16 @@ def load_library(source: Path, cache_dir: Path) -> tuple[ctypes.CDLL | None, str
     if cc is None:
         return None, "no C compiler found ($CC, cc, gcc or clang)"
     try:
+        march()
+    except ValueError as e:
+        return None, str(e)
+    try:
         version = subprocess.run([*cc, "--version"], capture_output=True, text=True, timeout=30, check=True).stdout
     except (OSError, subprocess.SubprocessError) as e:
         return None, f"the C compiler {' '.join(cc)} does not run ({_failure(e)})"
     headers = b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))  # what the source may include
     key = hashlib.sha256(
-        source.read_bytes() + headers + " ".join(CFLAGS).encode() + version.encode() + cpu_flags().encode()
+        source.read_bytes() + headers + " ".join(cflags(False)).encode() + version.encode() + cpu_flags().encode()
         + platform.machine().encode()
     ).hexdigest()[:16]  # fmt: skip
     failures = []

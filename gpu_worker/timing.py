@@ -12,6 +12,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
+from gpu_worker.native_build import isa_caps
+
 A = TypeVar("A", bool, int)  # a cached answer
 
 
@@ -31,12 +33,15 @@ def best_time(fn: Callable[[], object], repeats: int) -> float:
 
 
 def _choice_path(cache_dir: Path, name: str, key: str) -> Path:
-    """Where :func:`cached_choice` keeps ``name``'s answer for ``key`` on this CPU (model and flags in the hash)."""
+    """Where :func:`cached_choice` keeps ``name``'s answer for ``key`` on this CPU (its model and flags, and
+    :func:`~gpu_worker.native_build.isa_caps`, in the hash)."""
     flags = ""
     with contextlib.suppress(OSError):
         with open("/proc/cpuinfo") as f:
             info = f.read()
         flags = " ".join(line for line in info.splitlines() if line.startswith(("model name", "flags")))[:4000]
+    with contextlib.suppress(ValueError):  # a bad LOOM_MARCH built no kernel: nothing to choose between
+        flags += "|" + isa_caps()
     digest = hashlib.sha256(f"{platform.machine()}|{flags}|{key}".encode()).hexdigest()[:16]
     return cache_dir / f"{name}-{digest}.json"
 
