@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 import zmq
 
+from gpu_worker import timing
 from gpu_worker.shm_allreduce import ShmAllReduce, select_all_reduce
 from gpu_worker.threads import pick_num_threads, thread_cap
 from gpu_worker.worker import Worker, pick_device
@@ -86,6 +87,8 @@ def main() -> None:
             # ranks share the machine's cores; oversubscribed OpenMP threads spin and slow every rank down
             torch.set_num_threads(thread_cap(args.tp_size))  # for loading; measured once the cluster settled
         group = init_distributed(ns.dist_init or args.endpoints.dist_init, rank, args.tp_size, device)
+        # a group that replaces a failed one runs the kernels the cluster ran, even those chosen under contention
+        timing.remeasure_contended = ns.epoch == 1
         worker = Worker(args, rank, group, device, epoch=ns.epoch)
         shm = setup_cpu_all_reduce(worker, group, ns.epoch)
         if device.type == "cpu":

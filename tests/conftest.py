@@ -65,6 +65,15 @@ def pytest_configure(config):
         pass
 
 
+@pytest.fixture(autouse=True)
+def _cached_choices_stay_cached(monkeypatch):
+    """A test that reads a start-up choice back expects the cached answer, even one timed while this busy test
+    machine had no core to spare (re-measuring those is tested in tests/test_timing.py)."""
+    from gpu_worker import timing
+
+    monkeypatch.setattr(timing, "remeasure_contended", False)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _no_stray_socket_dirs():
     """In-process tests build ServerArgs with ipc.config.make_endpoints(), which makes an (empty) socket folder
