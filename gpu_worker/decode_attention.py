@@ -172,20 +172,16 @@ def choose_decode_attention(cache_dir: Path, group: object | None = None) -> tup
     """The C decode attention as a callable ``(q, k, v, lengths, scale) -> out`` where it is faster than SDPA on
     this machine (measured once, cached), else None; with a line saying why. TP ranks agree (all or none)."""
     fn = load_decode_attention(cache_dir / "kernels")
-    use, how = False, f"unavailable: {LOAD_NOTES.get(cache_dir / 'kernels', '')}"
-    if fn is not None:
-        from gpu_worker.timing import cached_choice
+    from gpu_worker.timing import agreed_choice
 
-        key = f"{torch.__version__}|{hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:16]}"
-        use, how = cached_choice(cache_dir / "kernel-choice", "decode-attention", key, lambda: _faster_than_sdpa(fn))
-    if group is not None:
-        import torch.distributed as dist
-
-        vote = torch.tensor([int(use)])
-        dist.all_reduce(vote, op=dist.ReduceOp.MIN, group=group)
-        if use and not vote.item():
-            how += "; another TP rank keeps SDPA"
-        use = bool(vote.item())
+    key = f"{torch.__version__}|{hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:16]}"
+    measure = None if fn is None else (lambda: _faster_than_sdpa(fn))
+    vote, how, own = agreed_choice(cache_dir / "kernel-choice", "decode-attention", key, measure, group)
+    use = bool(vote)
+    if fn is None:
+        how = f"unavailable: {LOAD_NOTES.get(cache_dir / 'kernels', '')}"
+    elif own and not use:
+        how += "; another TP rank keeps SDPA"
     if not use or fn is None:
         return None, f"decode attention on SDPA (C kernel {how if fn is None else 'not faster: ' + how})"
     return as_callable(fn), f"decode attention on the C kernel ({how})"

@@ -43,7 +43,7 @@ from pathlib import Path
 import torch
 
 from gpu_worker.native_build import CSRC, load_library
-from gpu_worker.timing import best_time, cached_choice, store_choice
+from gpu_worker.timing import agreed_choice, best_time
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +60,7 @@ Q8_ENTRY = {
 }  # csrc/q8_linear.c's batch kernel on the same ISA
 # the few-row GEMV entry points by instruction set, best first (AVX2-FMA: + the packing block, 32 or 64)
 GEMV_ISAS = {"AVX-512": "loom_int4_gemv512", "AVX2-FMA": "loom_int4_gemv_avx2_"}
+NEVER = 1 << 30  # the batch threshold of a kernel never faster than PyTorch's (the TP ranks take the highest)
 
 # why the last load_int4_batch(cache_dir) has no kernel, or runs it single-threaded ("" = built with OpenMP)
 LOAD_NOTES: dict[Path, str] = {}
@@ -279,17 +280,6 @@ def _gemv_rows(fn: ctypes._CFuncPtr, isa: str) -> tuple[int, str]:  # type: igno
     return best, "; ".join(parts)
 
 
-def _agree(value: int, group: object | None, highest: bool) -> int:
-    """``value`` agreed by every TP rank of ``group`` (None: this process alone): the highest or the lowest."""
-    if group is None:
-        return value
-    import torch.distributed as dist
-
-    vote = torch.tensor([value if highest else -value])
-    dist.all_reduce(vote, op=dist.ReduceOp.MAX, group=group)
-    return int(vote.item()) if highest else -int(vote.item())
-
-
 def _choice_key(isa: str) -> str:
     """The cached timings' key: torch's version, the ISA and the kernels' source with every header beside it (an
     edit to either measures again)."""
@@ -302,16 +292,14 @@ def choose_gemv_kernel(cache_dir: Path, group: object | None = None) -> tuple[Ge
     kernel's threshold), with a line saying why. Measured once per machine and cached; TP ranks take the smallest
     ``max_rows`` among them (none if any rank lacks a GEMV)."""
     loaded = load_int4_gemv(cache_dir / "kernels")
-    rows, how, isa, key = 0, "unavailable (no compiler, AVX2 with FMA, or known 4-bit packing)", "", ""
-    if loaded is not None:
-        fn, isa = loaded
-        key = _choice_key(isa)
-        rows, how = cached_choice(cache_dir / "kernel-choice", "int4-gemv-max-rows", key, lambda: _gemv_rows(fn, isa))
-    agreed = _agree(rows, group, highest=False)
-    if agreed != rows:
+    isa = loaded[1] if loaded is not None else ""
+    measure = None if loaded is None else (lambda: _gemv_rows(loaded[0], isa))
+    name, key = "int4-gemv-max-rows", _choice_key(isa)
+    agreed, how, own = agreed_choice(cache_dir / "kernel-choice", name, key, measure, group)
+    if loaded is None:
+        how = "unavailable (no compiler, AVX2 with FMA, or known 4-bit packing)"
+    elif agreed != own:
         how += f"; another TP rank {'lacks it' if agreed == 0 else f'takes it up to {agreed} rows'}"
-        if loaded is not None:  # a restart then reads what the group used, whichever rank wrote the file last
-            store_choice(cache_dir / "kernel-choice", "int4-gemv-max-rows", key, agreed, how)
     if not agreed or loaded is None:
         return None, f"4-bit GEMV on PyTorch's kernel ({isa or 'C'} GEMV {how})"
     return GemvKernel(loaded[0], agreed, isa), f"4-bit batches of 1-{agreed} rows on the {isa} GEMV ({how})"
@@ -324,19 +312,22 @@ def choose_batch_kernel(cache_dir: Path, group: object | None = None) -> tuple[B
     size. (Ranks on CPUs of different ISAs would multiply the same weights on different kernels, equal to within
     fp32 rounding.)"""
     loaded = load_int4_batch(cache_dir / "kernels")
-    rows, how, isa, key = 0, f"unavailable: {LOAD_NOTES.get(cache_dir / 'kernels', '')}", "", ""
-    if loaded is not None:
-        kernel, isa = loaded
-        key = _choice_key(isa)
-        rows, how = cached_choice(
-            cache_dir / "kernel-choice", "int4-batch-min-rows", key, lambda: _crossover(kernel, isa)
-        )
-    agreed = _agree(rows or 1 << 30, group, highest=True)
-    if agreed != (rows or 1 << 30):
-        how += f"; another TP rank {'lacks the kernel' if agreed == 1 << 30 else f'needs {agreed} rows'}"
-        rows = 0 if agreed == 1 << 30 else agreed
-        if loaded is not None:  # a restart then reads what the group used, whichever rank wrote the file last
-            store_choice(cache_dir / "kernel-choice", "int4-batch-min-rows", key, rows, how)
+    isa = loaded[1] if loaded is not None else ""
+
+    def measure() -> tuple[int, str]:
+        assert loaded is not None
+        rows, how = _crossover(loaded[0], isa)
+        return rows or NEVER, how
+
+    agreed, how, own = agreed_choice(
+        cache_dir / "kernel-choice", "int4-batch-min-rows", _choice_key(isa), None if loaded is None else measure,
+        group, highest=True, lacking=NEVER,
+    )  # fmt: skip
+    rows = 0 if agreed in (0, NEVER) else agreed  # 0: a file from before "never" was stored as NEVER
+    if loaded is None:
+        how = f"unavailable: {LOAD_NOTES.get(cache_dir / 'kernels', '')}"
+    elif agreed != own:
+        how += f"; another TP rank {'lacks the kernel' if agreed == NEVER else f'needs {agreed} rows'}"
     if not rows or loaded is None:
         return None, f"4-bit batches on PyTorch's kernel ({isa or 'C'} batch kernel {how})"
     return BatchKernel(loaded[0], rows, isa), f"4-bit batches of {rows}+ rows on the {isa} kernel ({how})"

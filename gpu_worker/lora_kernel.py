@@ -226,21 +226,14 @@ def choose_backend(
         if fn is None:
             raise RuntimeError(f"--lora-backend cpu-sgmv cannot serve here: {how}")
         return fn, f"--lora-backend cpu-sgmv{threads}"
-    faster = False
+    from gpu_worker.timing import agreed_choice
+
+    key = f"{torch.__version__}|{dtype}|{hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:16]}"
+    kernel = fn
+    measure = None if kernel is None else (lambda: _kernel_beats_torch(kernel, dtype))
+    # every rank votes, also one without the kernel, so all take the same path
+    vote, measured, own = agreed_choice(cache_dir / "kernel-choice", "lora-sgmv-vs-torch", key, measure, group)
+    faster = bool(vote)
     if fn is not None:
-        from gpu_worker.timing import cached_choice
-
-        key = f"{torch.__version__}|{dtype}|{hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:16]}"
-        kernel = fn
-        faster, how = cached_choice(
-            cache_dir / "kernel-choice", "lora-sgmv-vs-torch", key, lambda: _kernel_beats_torch(kernel, dtype)
-        )
-    if group is not None:  # every rank votes, also one without the kernel, so all take the same path
-        import torch.distributed as dist
-
-        vote = torch.tensor([int(faster)])
-        dist.all_reduce(vote, op=dist.ReduceOp.MIN, group=group)
-        if faster and not vote.item():
-            how += "; another TP rank cannot use the kernel or measured it slower"
-        faster = bool(vote.item())
+        how = measured + ("; another TP rank cannot use the kernel or measured it slower" if own and not faster else "")
     return (fn if faster else None), f"auto: {'cpu-sgmv' if faster else 'torch'} ({how}){threads if faster else ''}"

@@ -6,6 +6,7 @@ import logging
 import signal
 import traceback
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -87,8 +88,10 @@ def main() -> None:
             # ranks share the machine's cores; oversubscribed OpenMP threads spin and slow every rank down
             torch.set_num_threads(thread_cap(args.tp_size))  # for loading; measured once the cluster settled
         group = init_distributed(ns.dist_init or args.endpoints.dist_init, rank, args.tp_size, device)
-        # a group that replaces a failed one runs the kernels the cluster ran, even those chosen under contention
-        timing.remeasure_contended = ns.epoch == 1
+        # the kernels this cluster chose are recorded in its socket folder: a group that replaces a failed one runs
+        # exactly those, whatever other processes on this machine have measured and cached since
+        timing.cluster_record = Path(args.endpoints.socket_dir) / "kernel-choice" if args.endpoints.socket_dir else None
+        timing.replacement = ns.epoch > 1
         worker = Worker(args, rank, group, device, epoch=ns.epoch)
         shm = setup_cpu_all_reduce(worker, group, ns.epoch)
         if device.type == "cpu":

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import hashlib
 import logging
 import os
@@ -36,16 +37,17 @@ CSRC = Path(__file__).resolve().parent / "csrc"
 CFLAGS = ["-O3", "-ffp-contract=fast", "-fno-math-errno", "-fPIC", "-shared", "-std=gnu11"]
 _MARCH = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+-]{0,63}")
 # what else caps the instruction set a worker's kernels and torch's run on (PyTorch's kernel dispatch, oneDNN)
-ISA_CAPS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA")
+ISA_CAPS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
 
 
 def march() -> str:
     """The ``-march`` the kernels are built for: ``$LOOM_MARCH`` where set, else ``native`` (this CPU's whole ISA).
 
     An older target on a newer CPU (``haswell`` or ``x86-64-v3``: AVX2 and FMA only) builds and runs the kernels an
-    AVX2-only CPU gets; with ``ATEN_CPU_CAPABILITY=avx2`` and ``ONEDNN_MAX_CPU_ISA=AVX2`` for torch too, a whole
-    cluster runs that machine's instruction set (not its memory system). Raises ValueError for a value that is not
-    one compiler word (it goes on the compiler's command line).
+    AVX2-only CPU gets; with ``ATEN_CPU_CAPABILITY=avx2``, ``ONEDNN_MAX_CPU_ISA=AVX2`` and
+    ``MKL_ENABLE_INSTRUCTIONS=AVX2`` for torch's own kernels too, a whole cluster runs that machine's instruction
+    set (not its memory system). Raises ValueError for a value that is not one compiler word (it goes on the
+    compiler's command line).
     """
     value = os.environ.get("LOOM_MARCH", "").strip() or "native"
     if not _MARCH.fullmatch(value):
@@ -55,9 +57,31 @@ def march() -> str:
 
 def isa_caps() -> str:
     """What narrows the instruction set here: ``-march`` and :data:`ISA_CAPS` where set (``march=native`` when
-    nothing is); part of every built kernel's and every cached kernel choice's key, and of the benchmarks' header."""
+    nothing is). Part of every cached kernel choice's key (gpu_worker/timing.py) and of the benchmarks' header; a
+    built kernel's key holds ``-march`` (its flags)."""
     caps = [f"{name}={os.environ[name]}" for name in ISA_CAPS if os.environ.get(name)]
     return " ".join([f"march={march()}", *caps])
+
+
+@functools.cache
+def _isa_macros(cc: tuple[str, ...], target: str) -> frozenset[str] | None:
+    """The instruction-set macros (``__AVX2__``, ``__AVX512F__``, ``__AMX_TILE__``...) the compiler defines for
+    ``-march=target``; None where it cannot tell (an unknown target fails in the build, with the compiler's word)."""
+    try:
+        out = subprocess.run([*cc, f"-march={target}", "-dM", "-E", "-x", "c", os.devnull], capture_output=True,
+                             text=True, timeout=30, check=True).stdout  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return frozenset(re.findall(r"#define (__(?:AVX|AMX|FMA|F16C|BMI|SSE|VNNI|VPCLMUL|GFNI)\w*__) ", out))
+
+
+def _isa_beyond_native(cc: tuple[str, ...], target: str) -> list[str]:
+    """The instruction sets ``-march=target`` would use that ``-march=native`` does not (this CPU lacks them: a
+    kernel built so would stop the worker with SIGILL, not fall back), as macro names without underscores."""
+    mine, theirs = _isa_macros(cc, "native"), _isa_macros(cc, target)
+    if mine is None or theirs is None:
+        return []
+    return sorted(m.strip("_") for m in theirs - mine)
 
 
 def cflags(openmp: bool) -> list[str]:
@@ -128,9 +152,11 @@ def load_library(source: Path, cache_dir: Path) -> tuple[ctypes.CDLL | None, str
     if cc is None:
         return None, "no C compiler found ($CC, cc, gcc or clang)"
     try:
-        march()
+        target = march()
     except ValueError as e:
         return None, str(e)
+    if target != "native" and (beyond := _isa_beyond_native(tuple(cc), target)):
+        return None, f"LOOM_MARCH={target} builds for {', '.join(beyond)}, which this CPU does not run"
     try:
         version = subprocess.run([*cc, "--version"], capture_output=True, text=True, timeout=30, check=True).stdout
     except (OSError, subprocess.SubprocessError) as e:

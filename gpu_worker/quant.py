@@ -176,21 +176,24 @@ class Int8Linear:
 QuantLinear = Int4Linear | Int8Linear  # what ``LlamaShard._mm`` accepts besides a dense tensor
 
 
-def cached_int4_choice(dense_dtype: torch.dtype, cache_dir: Path) -> tuple[bool, str]:
-    """:func:`int4_beats_dense`, measured once per machine and kept in ``cache_dir``: ``(faster, how)``.
+def cached_int4_choice(dense_dtype: torch.dtype, cache_dir: Path, group: object | None = None) -> tuple[bool, str]:
+    """:func:`int4_beats_dense`, measured once per machine and kept in ``cache_dir``, agreed by the TP ranks of
+    ``group`` (all must find it faster, so every rank holds the same kind of weights): ``(faster, how)``.
 
     A start-up timing on a shared 2-core machine can flip with the load of the moment; keeping the first answer
     (keyed by CPU model and flags, torch version and dtype) gives every later start, and every restart after a
-    failure, the same weights and so the same outputs. Delete the file to measure again.
+    failure, the same weights and so the same outputs (:func:`gpu_worker.timing.agreed_choice`). Delete the file
+    to measure again.
     """
-    from gpu_worker.timing import cached_choice
+    from gpu_worker.timing import agreed_choice
 
     def measure() -> tuple[bool, str]:
         faster, t4, td = int4_beats_dense(dense_dtype)
         dense = str(dense_dtype).replace("torch.", "")
         return faster, f"one row through 8 gate matrices: 4-bit {t4 * 1e6:.0f} us, {dense} {td * 1e6:.0f} us"
 
-    return cached_choice(cache_dir, "int4-vs-dense", f"{torch.__version__}|{dense_dtype}", measure)
+    vote, how, own = agreed_choice(cache_dir, "int4-vs-dense", f"{torch.__version__}|{dense_dtype}", measure, group)
+    return bool(vote), how + ("; another TP rank found the dense path faster" if own and not vote else "")
 
 
 def int4_beats_dense(dense_dtype: torch.dtype, matrices: int = 8) -> tuple[bool, float, float]:

@@ -33,55 +33,60 @@ def best_time(fn: Callable[[], object], repeats: int) -> float:
 
 
 def _choice_path(cache_dir: Path, name: str, key: str) -> Path:
-    """Where :func:`cached_choice` keeps ``name``'s answer for ``key`` on this CPU (its model and flags, and
-    :func:`~gpu_worker.native_build.isa_caps`, in the hash)."""
+    """Where ``name``'s answer for ``key`` is kept on this CPU (its model and flags, and any narrowing of the
+    instruction set, :func:`~gpu_worker.native_build.isa_caps`, in the hash)."""
     flags = ""
     with contextlib.suppress(OSError):
         with open("/proc/cpuinfo") as f:
             info = f.read()
         flags = " ".join(line for line in info.splitlines() if line.startswith(("model name", "flags")))[:4000]
     with contextlib.suppress(ValueError):  # a bad LOOM_MARCH built no kernel: nothing to choose between
-        flags += "|" + isa_caps()
+        caps = isa_caps()
+        if caps != "march=native":  # the native answers keep the files they had before LOOM_MARCH existed
+            flags += "|" + caps
     digest = hashlib.sha256(f"{platform.machine()}|{flags}|{key}".encode()).hexdigest()[:16]
     return cache_dir / f"{name}-{digest}.json"
 
 
-def store_choice(cache_dir: Path, name: str, key: str, answer: int, how: str, contended: bool | None = None) -> None:
-    """Keep ``answer`` as :func:`cached_choice`'s answer for ``name`` and ``key`` (written atomically; an unwritable
-    folder only costs the next start a measurement). TP ranks that agreed on a value other than their own
-    measurement store the agreed one, so a restart reads what the group used, whichever rank wrote last.
-    ``contended``: whether the timing behind it ran while other processes held the cores (None: as the file
-    already says), so that the next fresh start measures again (see :func:`cached_choice`)."""
+def _read_choice(path: Path) -> tuple[int, str] | None:
+    """The answer and its note kept at ``path``; None for no file or a damaged one (measure again)."""
+    with contextlib.suppress(OSError, ValueError, KeyError, TypeError, AttributeError):
+        doc = json.loads(path.read_text())
+        if isinstance(doc["faster"], int):  # bool is an int too
+            return int(doc["faster"]), str(doc["how"])
+    return None
+
+
+def store_choice(cache_dir: Path, name: str, key: str, answer: int, how: str) -> None:
+    """Keep ``answer`` as ``name``'s answer for ``key`` (written atomically; an unwritable folder only costs the
+    next start a measurement)."""
     path = _choice_path(cache_dir, name, key)
-    if contended is None:
-        contended = False
-        with contextlib.suppress(OSError, ValueError, AttributeError):
-            contended = bool(json.loads(path.read_text()).get("contended", False))
     with contextlib.suppress(OSError):
         cache_dir.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps({"faster": answer, "how": how, "contended": contended}))
+        tmp.write_text(json.dumps({"faster": answer, "how": how}))
         os.replace(tmp, path)
 
 
-WAIT_SHARE = 0.5  # a timing whose threads waited for a core longer than this share of its wall time was contended
-ATTEMPTS = 3  # timings per choice at most, while other processes hold the cores
-# whether a cached answer that was timed under contention is measured again: yes in a fresh process, no in a TP
-# group that replaces a failed one (gpu_worker.main), which must run the kernels the cluster has been running
-remeasure_contended = True
+WAIT_SHARE = 0.25  # a timing during which one of its threads waited for a core longer than this share was contended
+ATTEMPTS = 3  # timings per choice at most, while the cores are taken
+# where this cluster keeps the answers its TP group used (gpu_worker.main: a folder in the cluster's socket folder,
+# removed with the cluster), and whether this group replaces a failed one: a replacement takes those answers, so
+# it runs the kernels the cluster has been running whatever the machine-wide cache says by then
+cluster_record: Path | None = None
+replacement = False
 
 
-def run_queue_wait() -> float | None:
-    """Seconds this process's threads have spent runnable but waiting for a core, all threads together (the second
-    field of Linux's ``/proc/self/task/*/schedstat``); None where the kernel does not report it."""
-    total, seen = 0, False
+def run_queue_waits() -> dict[int, int] | None:
+    """Nanoseconds each thread of this process has spent runnable but waiting for a core, by thread id (the
+    second field of Linux's ``/proc/self/task/<tid>/schedstat``); None where the kernel does not report it."""
+    waits: dict[int, int] = {}
     with contextlib.suppress(OSError):
         for task in os.scandir("/proc/self/task"):
             with contextlib.suppress(OSError, ValueError, IndexError):
                 with open(f"{task.path}/schedstat") as f:
-                    total += int(f.read().split()[1])
-                seen = True
-    return total / 1e9 if seen else None
+                    waits[int(task.name)] = int(f.read().split()[1])
+    return waits or None
 
 
 def timed_alone(measure: Callable[[], tuple[A, str]]) -> tuple[A, str, bool]:
@@ -90,47 +95,93 @@ def timed_alone(measure: Callable[[], tuple[A, str]]) -> tuple[A, str, bool]:
 
     A kernel timing while another process holds a core is not this machine's answer: OpenMP threads that lose
     their core stall every barrier for a scheduler time slice, which once timed a 0.6 ms 4-bit GEMM at 73 ms and
-    turned the fast kernels off. A timing counts as contended when its threads waited for a core (Linux's run-queue
-    delay, :func:`run_queue_wait`) longer than :data:`WAIT_SHARE` of its wall time; on a 2-core Xeon that share
-    was 0.00-0.01 idle, 0.11-0.43 beside two ``nice -n 10`` busy loops (answers unchanged) and 0.67-0.87 beside
-    one at normal priority (answers changed). A contended timing is repeated after a short pause; when no attempt
-    ran alone, the answer is the least contended attempt's and ``contended`` is True. Where the kernel reports no
-    run-queue delay, the first timing is taken as it is.
+    turned the fast kernels off. A timing counts as contended when one of its threads waited for a core (its
+    run-queue delay, :func:`run_queue_waits`, over the threads present at its end) longer than
+    :data:`WAIT_SHARE` of the timing's wall time. Sums over the threads, on a 2-core Xeon with 2 threads: 0.00-0.01
+    idle, 0.11-0.43 beside two ``nice -n 10`` busy loops (answers unchanged), 0.67-0.87 beside one at normal
+    priority (answers changed). A contended timing is repeated after a short pause; when no attempt ran alone,
+    the answer is the least contended attempt's and ``contended`` is True. Where the kernel reports no run-queue
+    delay, the first timing is taken as it is.
     """
     best: tuple[A, str, float] | None = None
     for attempt in range(ATTEMPTS):
-        wall0, wait0 = time.perf_counter(), run_queue_wait()
+        wall0, before = time.perf_counter(), run_queue_waits()
         answer, how = measure()
-        wall, wait1 = time.perf_counter() - wall0, run_queue_wait()
-        if wait0 is None or wait1 is None:
+        wall, after = time.perf_counter() - wall0, run_queue_waits()
+        if before is None or after is None:
             return answer, how, False
-        share = (wait1 - wait0) / max(wall, 1e-9)
+        worst = max((w - before.get(tid, 0) for tid, w in after.items()), default=0) / 1e9
+        share = worst / max(wall, 1e-9)
         if share <= WAIT_SHARE:
             return answer, how, False
         if best is None or share < best[2]:
             best = (answer, how, share)
-        time.sleep(0.25 * (attempt + 1))
+        if attempt + 1 < ATTEMPTS:
+            time.sleep(0.25 * (attempt + 1))
     assert best is not None
-    note = f"timed while other processes held the cores (its threads waited for one {best[2]:.0%} of the time)"
+    note = f"timed while the cores were taken (a thread waited for one {best[2]:.0%} of the time)"
     return best[0], f"{best[1]}; {note}", True
 
 
-def cached_choice(cache_dir: Path, name: str, key: str, measure: Callable[[], tuple[A, str]]) -> tuple[A, str]:
-    """``measure()`` (``(answer, how)``: whether a kernel is faster, or a threshold in rows; a bool or an int) run
-    once per machine (through :func:`timed_alone`) and kept in ``cache_dir/{name}-{hash}.json``.
+def _all_ranks_max(values: list[int], group: object | None) -> list[int]:
+    """The element-wise maximum of ``values`` over every TP rank of ``group`` (None: this process alone)."""
+    if group is None:
+        return values
+    import torch
+    import torch.distributed as dist
 
-    A start-up timing on a shared machine can flip with the load of the moment; keeping the first answer, keyed
-    by ``key`` plus the CPU's model and flags, gives every later start, and every restart after a failure, the
-    same kernels and so the same outputs. An answer timed while other processes held the cores is kept too (a
-    restarted TP group reads it, so a cluster keeps its kernels), but the next fresh start measures it again
-    (:data:`remeasure_contended`). Delete the file to measure again. Returns ``(answer, how)``.
+    t = torch.tensor(values, dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return [int(v) for v in t.tolist()]
+
+
+def agreed_choice(
+    cache_dir: Path,
+    name: str,
+    key: str,
+    measure: Callable[[], tuple[int, str]] | None,
+    group: object | None = None,
+    *,
+    highest: bool = False,
+    lacking: int = 0,
+) -> tuple[int, str, int]:
+    """The answer to ``name`` (whether a kernel is faster, or a threshold in rows) that every TP rank of ``group``
+    takes: ``(agreed, how, own)``, ``own`` being this rank's before the vote.
+
+    This rank's answer is, in order: the cluster's record (:data:`cluster_record`) in a replacement group; else
+    the machine's, kept in ``cache_dir/{name}-{hash}.json`` by an earlier start; else ``measure()`` through
+    :func:`timed_alone`; ``lacking`` when ``measure`` is None (this rank cannot run the kernel). The ranks then
+    take the highest answer (``highest``) or the lowest, and whether any rank's timing was contended. The agreed
+    answer goes into the cluster's record (a replacement group reads it) and, unless a rank's timing was
+    contended, into the machine's file, so later starts choose the same without measuring (a start-up timing
+    on a shared machine can flip with the load of the moment); a contended one is measured again by the next
+    fresh start. Delete the file to measure again.
     """
+    own, note, contended, source = lacking, "", False, "lacking"  # note: how the answer came about, as kept
     path = _choice_path(cache_dir, name, key)
-    with contextlib.suppress(OSError, ValueError, KeyError, TypeError, AttributeError):
-        doc = json.loads(path.read_text())
-        # bool is an int too; anything else is a damaged file: measure again
-        if isinstance(doc["faster"], int) and not (doc.get("contended") and remeasure_contended):
-            return doc["faster"], f"{doc['how']}, measured earlier ({path})"
-    faster, how, contended = timed_alone(measure)
-    store_choice(cache_dir, name, key, faster, how, contended)
-    return faster, how
+    recorded = None
+    if measure is not None and replacement and cluster_record is not None:
+        recorded = _read_choice(_choice_path(cluster_record, name, key))
+    if measure is None:
+        pass
+    elif recorded is not None:
+        (own, note), source = recorded, "cluster"
+    elif (kept := _read_choice(path)) is not None:
+        (own, note), source = kept, "machine"
+    else:
+        own, note, contended = timed_alone(measure)
+        source = "measured"
+    signed, busy = _all_ranks_max([own if highest else -own, int(contended)], group)
+    agreed = signed if highest else -signed
+    how = {
+        "cluster": f"{note}, as the TP group this one replaces ran",
+        "machine": f"{note}, measured earlier ({path})",
+    }.get(source, note)
+    if measure is not None:
+        if cluster_record is not None and source != "cluster":
+            store_choice(cluster_record, name, key, agreed, note)
+        if busy:
+            how += "; not kept for later starts (a TP rank's timing was contended)"
+        elif source == "measured" or (source == "machine" and agreed != own):
+            store_choice(cache_dir, name, key, agreed, note)  # what the group used, whichever rank writes last
+    return agreed, how, own

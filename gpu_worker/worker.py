@@ -210,13 +210,7 @@ class Worker:
         from gpu_worker.quant import cached_int4_choice
 
         dense = resolve_dtype(args.dtype, args.model_path, self.device, "none")
-        faster, how = cached_int4_choice(dense, cache_root() / "kernel-choice")
-        if group is not None:
-            import torch.distributed as dist
-
-            vote = torch.tensor([int(faster)])
-            dist.all_reduce(vote, op=dist.ReduceOp.MIN, group=group)
-            faster = bool(vote.item())
+        faster, how = cached_int4_choice(dense, cache_root() / "kernel-choice", group)
         choice = "gguf" if faster else "none"
         log.info("--quantization auto: %s (%s)", choice, how)
         return choice

@@ -61,3 +61,15 @@ def test_an_avx2_build_has_only_the_avx2_kernels(monkeypatch, tmp_path):
     assert ib._entry(avx2, "loom_int4_amx") is None
     if ib._entry(native, "loom_int4_gemv512") is None:
         pytest.skip("this CPU has no AVX-512: the native build has no more than the AVX2 one")
+
+
+def test_a_target_beyond_this_cpu_is_refused(monkeypatch, tmp_path):
+    """Xeon Phi's AVX512ER/PF are on no other CPU: kernels built for it would stop the worker with SIGILL."""
+    from gpu_worker.native_build import _isa_macros
+
+    cc = compiler()
+    if cc is None or _isa_macros(tuple(cc), "knl") is None or "avx512er" in open("/proc/cpuinfo").read():
+        pytest.skip("no compiler that knows -march=knl, or a Xeon Phi")
+    monkeypatch.setenv("LOOM_MARCH", "knl")
+    lib, note = load_library(ib.SOURCE, tmp_path)
+    assert lib is None and "LOOM_MARCH=knl builds for AVX512ER" in note and "this CPU does not run" in note

@@ -1,5 +1,6 @@
-"""Start-up timings taken while other processes hold the cores (gpu_worker/timing.py): detected from the run-queue
-delay, repeated, and an answer still timed under contention kept but measured again at the next fresh start."""
+"""Start-up kernel choices (gpu_worker/timing.py): a timing taken while the cores were taken is detected from the
+run-queue delay and repeated; the answer the TP ranks agree on is kept for later starts unless a rank's timing
+was contended, and recorded for the cluster, whose replacement TP groups run exactly the kernels it ran."""
 
 from __future__ import annotations
 
@@ -13,7 +14,14 @@ import pytest
 
 from gpu_worker import timing
 
-pytestmark = pytest.mark.skipif(timing.run_queue_wait() is None, reason="this kernel reports no run-queue delay")
+pytestmark = pytest.mark.skipif(timing.run_queue_waits() is None, reason="this kernel reports no run-queue delay")
+
+HOG = "import time\nend = time.monotonic() + 20\nwhile time.monotonic() < end: pass"  # ends on its own
+
+
+@pytest.fixture(autouse=True)
+def _real_limit(monkeypatch):
+    monkeypatch.setattr(timing, "WAIT_SHARE", 0.25)  # conftest lifts it for every other test
 
 
 def _spin(seconds: float) -> None:
@@ -36,8 +44,15 @@ def test_a_timing_that_never_waits_for_a_core_is_alone():
 
 def test_a_timing_beside_busy_processes_is_repeated_and_marked(monkeypatch):
     monkeypatch.setattr(timing, "ATTEMPTS", 2)
-    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(3 * (os.cpu_count() or 1))]
+    cpu = min(os.sched_getaffinity(0))
+    mask = os.sched_getaffinity(0)
+    hogs: list[subprocess.Popen] = []
     try:
+        os.sched_setaffinity(0, {cpu})  # this test and its hogs share one core, whatever the machine's size
+        for _ in range(3):
+            hogs.append(
+                subprocess.Popen([sys.executable, "-c", HOG], preexec_fn=lambda: os.sched_setaffinity(0, {cpu}))
+            )
         time.sleep(0.3)  # the hogs are running
         calls = []
 
@@ -48,42 +63,102 @@ def test_a_timing_beside_busy_processes_is_repeated_and_marked(monkeypatch):
 
         answer, how, contended = timing.timed_alone(measure)
     finally:
+        os.sched_setaffinity(0, mask)
         for h in hogs:
             h.kill()
             h.wait()
     assert contended and len(calls) == 2
-    assert answer in (1, 2) and how.startswith("spun; timed while other processes held the cores")
+    assert answer in (1, 2) and how.startswith("spun; timed while the cores were taken")
 
 
-def test_a_contended_answer_is_measured_again_at_a_fresh_start_only(monkeypatch, tmp_path):
-    busy = [True]
-    calls = []
+def _fake(monkeypatch, contended: list[bool], others: list[int] | None = None):
+    """timed_alone reporting ``contended[0]``; the other TP ranks' votes ``others`` (max of [±answer, busy])."""
 
     def fake_timed_alone(measure):
         answer, how = measure()
-        return answer, how, busy[0]
+        return answer, how, contended[0]
+
+    monkeypatch.setattr(timing, "timed_alone", fake_timed_alone)
+    if others is not None:
+        monkeypatch.setattr(
+            timing, "_all_ranks_max", lambda values, group: [max(v, o) for v, o in zip(values, others, strict=True)]
+        )
+
+
+def _counting():
+    calls: list[int] = []
 
     def measure():
         calls.append(1)
-        return len(calls), f"attempt {len(calls)}"
+        return 4 + len(calls), f"attempt {len(calls)}"
 
-    monkeypatch.setattr(timing, "timed_alone", fake_timed_alone)
-    monkeypatch.setattr(timing, "remeasure_contended", False)  # a replacement TP group keeps the cluster's kernels
-    assert timing.cached_choice(tmp_path, "c", "k", measure) == (1, "attempt 1")
-    answer, how = timing.cached_choice(tmp_path, "c", "k", measure)
-    assert answer == 1 and "measured earlier" in how and len(calls) == 1
-
-    monkeypatch.setattr(timing, "remeasure_contended", True)  # a fresh start measures it again
-    busy[0] = False
-    assert timing.cached_choice(tmp_path, "c", "k", measure) == (2, "attempt 2")
-    answer, how = timing.cached_choice(tmp_path, "c", "k", measure)  # timed alone this time: kept for good
-    assert answer == 2 and "measured earlier" in how and len(calls) == 2
+    return calls, measure
 
 
-def test_storing_an_agreed_value_keeps_the_contended_mark(tmp_path):
-    timing.store_choice(tmp_path, "c", "k", 8, "timed under load", contended=True)
-    timing.store_choice(tmp_path, "c", "k", 16, "another TP rank needs 16 rows")  # TP ranks' agreed value
+def test_an_answer_timed_alone_is_kept_and_read_back(monkeypatch, tmp_path):
+    _fake(monkeypatch, [False])
+    calls, measure = _counting()
+    assert timing.agreed_choice(tmp_path, "c", "k", measure) == (5, "attempt 1", 5)
+    agreed, how, own = timing.agreed_choice(tmp_path, "c", "k", measure)
+    assert (agreed, own) == (5, 5) and "attempt 1, measured earlier" in how and len(calls) == 1
+
+
+def test_a_contended_answer_is_used_but_not_kept(monkeypatch, tmp_path):
+    _fake(monkeypatch, [True])
+    calls, measure = _counting()
+    agreed, how, _ = timing.agreed_choice(tmp_path, "c", "k", measure)
+    assert agreed == 5 and "not kept for later starts" in how
+    assert not list(tmp_path.glob("c-*.json"))
+    assert timing.agreed_choice(tmp_path, "c", "k", measure)[0] == 6 and len(calls) == 2  # the next start measures
+
+
+def test_a_rank_alone_keeps_nothing_when_another_ranks_timing_was_contended(monkeypatch, tmp_path):
+    _fake(monkeypatch, [False], others=[0, 1])  # the other rank found the kernel never faster, under contention
+    calls, measure = _counting()
+    agreed, how, own = timing.agreed_choice(tmp_path, "c", "k", measure, group=object(), highest=True)
+    assert (agreed, own) == (5, 5) and "a TP rank's timing was contended" in how
+    assert not list(tmp_path.glob("c-*.json"))
+
+
+def test_the_agreed_answer_is_kept_not_this_ranks_own(monkeypatch, tmp_path):
+    _fake(monkeypatch, [False], others=[-2, 0])  # lowest wins: another rank says 2
+    calls, measure = _counting()
+    assert timing.agreed_choice(tmp_path, "c", "k", measure, group=object()) == (2, "attempt 1", 5)
     (path,) = tmp_path.glob("c-*.json")
-    assert json.loads(path.read_text()) == {"faster": 16, "how": "another TP rank needs 16 rows", "contended": True}
-    timing.store_choice(tmp_path, "c", "k", 16, "measured alone", contended=False)
-    assert json.loads(path.read_text())["contended"] is False
+    assert json.loads(path.read_text())["faster"] == 2
+    monkeypatch.undo()
+    _fake(monkeypatch, [False])
+    agreed, how, _ = timing.agreed_choice(tmp_path, "c", "k", measure)  # a later start alone reads the group's
+    assert agreed == 2 and "measured earlier" in how and len(calls) == 1
+
+
+def test_a_replacement_group_runs_what_the_cluster_ran(monkeypatch, tmp_path):
+    machine, cluster = tmp_path / "machine", tmp_path / "cluster"
+    monkeypatch.setattr(timing, "cluster_record", cluster)
+    _fake(monkeypatch, [True])  # the first group timed under contention: its answer is not kept machine-wide
+    calls, measure = _counting()
+    assert timing.agreed_choice(machine, "c", "k", measure)[0] == 5
+    assert not machine.exists()
+    timing.store_choice(machine, "c", "k", 9, "another cluster, measured alone since")
+    monkeypatch.setattr(timing, "replacement", True)  # a TP group replacing a failed one reads the cluster's
+    agreed, how, _ = timing.agreed_choice(machine, "c", "k", measure)
+    assert agreed == 5 and "as the TP group this one replaces ran" in how and len(calls) == 1
+    monkeypatch.setattr(timing, "replacement", False)  # a fresh cluster reads the machine's
+    assert timing.agreed_choice(machine, "c", "k", measure)[0] == 9
+
+
+def test_a_rank_without_the_kernel_votes_and_keeps_nothing(monkeypatch, tmp_path):
+    _fake(monkeypatch, [False], others=[-3, 0])
+    assert timing.agreed_choice(tmp_path, "c", "k", None, group=object(), lacking=0) == (0, "", 0)
+    assert not tmp_path.exists() or not list(tmp_path.iterdir())
+
+
+def test_damaged_and_older_files_are_handled(monkeypatch, tmp_path):
+    _fake(monkeypatch, [False])
+    calls, measure = _counting()
+    path = timing._choice_path(tmp_path, "c", "k")
+    tmp_path.mkdir(exist_ok=True)
+    path.write_text('{"faster": "yes"')  # damaged: measured again
+    assert timing.agreed_choice(tmp_path, "c", "k", measure)[0] == 5
+    path.write_text(json.dumps({"faster": 7, "how": "an older file", "contended": True}))  # extra keys are read past
+    assert timing.agreed_choice(tmp_path, "c", "k", measure)[0] == 7 and len(calls) == 1
