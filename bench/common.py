@@ -146,7 +146,8 @@ def bench_header(title: str, *, dtype: str, tp_size: int, model: str = "", extra
         f"model: {model or 'embedded SmolLM2-135M-Instruct'}, dtype {dtype}, tp_size {tp_size}, device {device}",
         f"cpu: {cpu_model()}, {os.cpu_count()} cpus, load average {loadavg()} at the start",
         f"cpu flags: {cpu_flags()}",
-        f"instruction set: {isa_caps()} (LOOM_MARCH, ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA, MKL_ENABLE_INSTRUCTIONS narrow it)",
+        f"instruction set: {isa_caps()} (narrowed by LOOM_MARCH, ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA, "
+        "MKL_ENABLE_INSTRUCTIONS)",
         f"torch {torch.__version__} ({torch.get_num_threads()} threads in this process; each gpu_worker's count is "
         f"printed once the cluster is up), python {platform.python_version()}, loom {loom_revision()}",
     ]
