@@ -84,7 +84,7 @@ def main() -> None:
     import gpu_worker.lora_pool as lp
 
     if a.slot_dtype:
-        lp.measure_slot_dtype = lambda d, dev: getattr(torch, a.slot_dtype)
+        lp.measure_slot_dtype = lambda d, dev, group=None: getattr(torch, a.slot_dtype)
     if a.lora_path:
         lp.LoraBatch.PAD_LIMIT = 1e9 if a.lora_path == "batched" else -1e9
     model_path = str(resolve_model_path(None))

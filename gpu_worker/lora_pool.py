@@ -34,7 +34,7 @@ from gpu_worker.lora_kernel import (
     unpack_b,
 )
 from gpu_worker.lora_weights import module_dims, read_adapter, shard_range
-from gpu_worker.timing import best_time
+from gpu_worker.timing import agreed_choice, best_time
 from gpu_worker.tp_plan import ShardPlan
 from ipc.config import ServerArgs
 from ipc.lora_config import (
@@ -123,7 +123,7 @@ class LoraPool:
         self.sgmv, how = choose_backend(args.lora_backend, dtype, device, cache_root(), group, widest)
         log.info("LoRA backend on TP rank %d: %s", plan.rank, how)
         # the kernel reads bf16 slots at full speed on any CPU; the torch path may need fp32 ones
-        self.slot_dtype = dtype if self.sgmv is not None else measure_slot_dtype(dtype, device)
+        self.slot_dtype = dtype if self.sgmv is not None else measure_slot_dtype(dtype, device, group)
         self.host: dict[str, HostAdapter] = {}
         self.slot_uid: list[str | None] = [None] * self.n_entries
         self.slot_start = [0] * self.n_entries
@@ -648,24 +648,32 @@ class LoraBatch:
             out += acc
 
 
-def measure_slot_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
+def measure_slot_dtype(dtype: torch.dtype, device: torch.device, group: object | None = None) -> torch.dtype:
     """The dtype LoRA slots hold: the serving dtype, or fp32 on a CPU whose half-precision GEMMs are slow.
 
-    Measured once at start-up on a decode-shaped batched apply (8 slots x 8 tokens, 576 wide, rank 32 for two
-    sub-modules): CPUs without native bf16/fp16 (e.g. AVX2 only) run these several times slower than fp32
-    plus the casts; CPUs with AVX-512 bf16 or AMX read half the bytes and win. GPUs always keep ``dtype``.
+    Measured once per machine at start-up on a decode-shaped batched apply (8 slots x 8 tokens, 576 wide, rank 32
+    for two sub-modules) and agreed by the TP ranks of ``group`` (fp32 if any rank finds it faster;
+    :func:`gpu_worker.timing.agreed_choice`): CPUs without native bf16/fp16 (e.g. AVX2 only) run these several
+    times slower than fp32 plus the casts; CPUs with AVX-512 bf16 or AMX read half the bytes and win. GPUs
+    always keep ``dtype``.
     """
     if device.type != "cpu" or dtype == torch.float32:
         return dtype
-    x = torch.randn(64, 576, dtype=dtype)
-    a = torch.randn(8, 64, 576, dtype=dtype)
-    b = torch.randn(8, 576, 32, dtype=dtype)
 
-    def apply(xx: torch.Tensor, aa: torch.Tensor, bb: torch.Tensor) -> torch.Tensor:
-        u = torch.bmm(xx.to(aa.dtype).view(8, 8, 576), aa.transpose(1, 2))
-        return torch.bmm(u[:, :, :32], bb.transpose(1, 2)).view(64, 576).to(dtype)
+    def measure() -> tuple[int, str]:
+        x = torch.randn(64, 576, dtype=dtype)
+        a = torch.randn(8, 64, 576, dtype=dtype)
+        b = torch.randn(8, 576, 32, dtype=dtype)
 
-    af, bf = a.float(), b.float()
-    native = best_time(lambda: apply(x, a, b), 15)
-    upcast = best_time(lambda: apply(x, af, bf), 15)
-    return torch.float32 if upcast < 0.7 * native else dtype
+        def apply(xx: torch.Tensor, aa: torch.Tensor, bb: torch.Tensor) -> torch.Tensor:
+            u = torch.bmm(xx.to(aa.dtype).view(8, 8, 576), aa.transpose(1, 2))
+            return torch.bmm(u[:, :, :32], bb.transpose(1, 2)).view(64, 576).to(dtype)
+
+        af, bf = a.float(), b.float()
+        native = best_time(lambda: apply(x, a, b), 15)
+        upcast = best_time(lambda: apply(x, af, bf), 15)
+        return int(upcast < 0.7 * native), f"batched apply: {dtype} {native * 1e6:.0f} us, fp32 {upcast * 1e6:.0f} us"
+
+    key = f"{torch.__version__}|{dtype}"
+    fp32, _, _ = agreed_choice(cache_root() / "kernel-choice", "lora-slots-fp32", key, measure, group, highest=True)
+    return torch.float32 if fp32 else dtype

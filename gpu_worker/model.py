@@ -23,10 +23,11 @@ from gpu_worker.layer_ops import LayerOps
 from gpu_worker.packed_linear import PackedLinear
 from gpu_worker.q8_linear import Q8Linear
 from gpu_worker.quant import QuantLinear
-from gpu_worker.timing import best_time
+from gpu_worker.timing import agreed_choice, best_time
 from gpu_worker.tp_plan import ShardPlan
 from gpu_worker.vocab_parallel import head_rows, vocab_range
 from ipc.model_config import ModelConfig
+from ipc.model_source import cache_root
 
 
 class LoraApplier(Protocol):
@@ -118,21 +119,31 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return w * F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype)
 
 
-def _bf16_upcast_threshold(sample: torch.Tensor) -> int:
+def _bf16_upcast_threshold(sample: torch.Tensor, group: object | None = None) -> int:
     """Rows from which a bf16 matmul is faster done in fp32 (upcast per call), or a huge number if never.
 
-    Measured once at start-up: CPUs without native bf16 (e.g. AVX2-only) run bf16 GEMM several times slower
-    than converting to fp32 first once a batch has more than a few rows; GPUs and bf16-capable CPUs do not.
+    Measured once per machine at start-up and agreed by the TP ranks of ``group`` (never, if any rank finds the
+    upcast slower; :func:`gpu_worker.timing.agreed_choice`): CPUs without native bf16 (e.g. AVX2-only) run bf16
+    GEMM several times slower than converting to fp32 first once a batch has more than a few rows; GPUs and
+    bf16-capable CPUs do not.
     """
     never = 1 << 62
     if sample.device.type != "cpu" or sample.dtype != torch.bfloat16:
         return never
-    w = torch.randn(1024, 576, dtype=torch.bfloat16)
-    x = torch.randn(32, 576, dtype=torch.bfloat16)
 
-    native = best_time(lambda: x @ w.T, 5)
-    upcast = best_time(lambda: (x.float() @ w.float().T).to(torch.bfloat16), 5)
-    return 8 if upcast < 0.7 * native else never
+    def measure() -> tuple[int, str]:
+        w = torch.randn(1024, 576, dtype=torch.bfloat16)
+        x = torch.randn(32, 576, dtype=torch.bfloat16)
+        native = best_time(lambda: x @ w.T, 5)
+        upcast = best_time(lambda: (x.float() @ w.float().T).to(torch.bfloat16), 5)
+        how = f"32 x 576 by 576 x 1024: bf16 {native * 1e6:.0f} us, fp32 upcast {upcast * 1e6:.0f} us"
+        return (8 if upcast < 0.7 * native else never), how
+
+    key = f"{torch.__version__}|bf16-upcast"
+    rows, _, _ = agreed_choice(
+        cache_root() / "kernel-choice", "bf16-upcast-min-rows", key, measure, group, highest=True
+    )
+    return rows
 
 
 class LlamaShard:
@@ -153,7 +164,7 @@ class LlamaShard:
         norm = weights["norm"]  # always a dense tensor in the activation dtype, also when weights are quantised
         self.dtype = norm.dtype
         self.inv_freq = rope_inv_freq(cfg).to(norm.device)
-        self.upcast_min_rows = _bf16_upcast_threshold(norm)
+        self.upcast_min_rows = _bf16_upcast_threshold(norm, group)
         # the C decode attention (gpu_worker.decode_attention) where the worker found it faster than SDPA
         self.decode_attn: DecodeAttention | None = None
         # the small per-layer operations fused in C (gpu_worker.layer_ops), set by the worker on CPU

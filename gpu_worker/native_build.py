@@ -180,7 +180,7 @@ def load_library(source: Path, cache_dir: Path) -> tuple[ctypes.CDLL | None, str
             failures.append(f"{'OpenMP' if openmp else 'single-threaded'} build/load in {cache_dir}: {_failure(e)}")
             continue
         return lib, "" if openmp else f"single-threaded ({failures[0]})"
-    return None, "; ".join(failures)
+    return None, (f"LOOM_MARCH={target}: " if target != "native" else "") + "; ".join(failures)
 
 
 def load_kernel(

@@ -286,7 +286,7 @@ def test_bf16_apply_matches_fp32_apply(adapters, monkeypatch, slots_fp32, backen
     slots) tracks the fp32 maths, interleaved segments included, and leaves base rows untouched."""
     import gpu_worker.lora_pool as lp
 
-    monkeypatch.setattr(lp, "measure_slot_dtype", lambda d, dev: torch.float32 if slots_fp32 else d)
+    monkeypatch.setattr(lp, "measure_slot_dtype", lambda d, dev, group=None: torch.float32 if slots_fp32 else d)
     ref = tiny_pool(slots=3, max_rank=8, backend="torch")
     half = tiny_pool(slots=3, max_rank=8, dtype=torch.bfloat16, backend=backend)
     assert half.slot_dtype == (torch.float32 if slots_fp32 else torch.bfloat16)
