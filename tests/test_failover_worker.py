@@ -102,6 +102,8 @@ def test_tp2_worker_kills_and_hang_resume_every_request_exactly(tmp_path):
         assert "gpu_worker[1] exited with code -9 (SIGKILL); restarting the TP group as epoch 2" in log
         assert "restarting the TP group as epoch 3" in log
         assert "LoRA registry out of sync: rank 1 (epoch 2" in log
+        # the replacement groups run the kernels the first one chose (its record in the socket folder)
+        assert "as the TP group this one replaces ran" in log.split("as epoch 2")[1]
 
         # a rank that is alive but hung: the step timeout finds it, the group is replaced the same way
         stopped = kill(h, "gpu_worker[1]", signal.SIGSTOP)
