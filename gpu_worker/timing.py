@@ -130,7 +130,8 @@ def _all_ranks_max(values: list[int], group: object | None) -> list[int]:
     import torch
     import torch.distributed as dist
 
-    t = torch.tensor(values, dtype=torch.int64)
+    on_gpu = dist.get_backend(group) == "nccl"  # NCCL reduces device tensors only
+    t = torch.tensor(values, dtype=torch.int64, device=f"cuda:{torch.cuda.current_device()}" if on_gpu else "cpu")
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return [int(v) for v in t.tolist()]
 
