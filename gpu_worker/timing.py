@@ -68,7 +68,7 @@ def store_choice(cache_dir: Path, name: str, key: str, answer: int, how: str) ->
         os.replace(tmp, path)
 
 
-WAIT_SHARE = 0.25  # a timing during which one of its threads waited for a core longer than this share was contended
+WAIT_SHARE = 0.2  # a timing during which one of its threads waited for a core longer than this share was contended
 ATTEMPTS = 3  # timings per choice at most, while the cores are taken
 # where this cluster keeps the answers its TP group used (gpu_worker.main: a folder in the cluster's socket folder,
 # removed with the cluster), and whether this group replaces a failed one: a replacement takes those answers, so
@@ -97,11 +97,11 @@ def timed_alone(measure: Callable[[], tuple[A, str]]) -> tuple[A, str, bool]:
     their core stall every barrier for a scheduler time slice, which once timed a 0.6 ms 4-bit GEMM at 73 ms and
     turned the fast kernels off. A timing counts as contended when one of its threads waited for a core (its
     run-queue delay, :func:`run_queue_waits`, over the threads present at its end) longer than
-    :data:`WAIT_SHARE` of the timing's wall time. Sums over the threads, on a 2-core Xeon with 2 threads: 0.00-0.01
-    idle, 0.11-0.43 beside two ``nice -n 10`` busy loops (answers unchanged), 0.67-0.87 beside one at normal
-    priority (answers changed). A contended timing is repeated after a short pause; when no attempt ran alone,
-    the answer is the least contended attempt's and ``contended`` is True. Where the kernel reports no run-queue
-    delay, the first timing is taken as it is.
+    :data:`WAIT_SHARE` of the timing's wall time. That worst thread's share, on a 2-core Xeon with 2 threads over
+    the three 4-bit timings: 0.00-0.06 idle, 0.09-0.20 beside two ``nice -n 10`` busy loops, 0.25-0.48 beside one
+    at normal priority (where answers changed). A contended timing is repeated after a short pause; when no
+    attempt ran alone, the answer is the least contended attempt's and ``contended`` is True. Where the kernel
+    reports no run-queue delay, the first timing is taken as it is.
     """
     best: tuple[A, str, float] | None = None
     for attempt in range(ATTEMPTS):

@@ -21,7 +21,7 @@ HOG = "import time\nend = time.monotonic() + 20\nwhile time.monotonic() < end: p
 
 @pytest.fixture(autouse=True)
 def _real_limit(monkeypatch):
-    monkeypatch.setattr(timing, "WAIT_SHARE", 0.25)  # conftest lifts it for every other test
+    monkeypatch.setattr(timing, "WAIT_SHARE", 0.2)  # conftest lifts it for every other test
 
 
 def _spin(seconds: float) -> None:
