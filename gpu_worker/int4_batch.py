@@ -321,9 +321,9 @@ def choose_batch_kernel(cache_dir: Path, group: object | None = None) -> tuple[B
 
     agreed, how, own = agreed_choice(
         cache_dir / "kernel-choice", "int4-batch-min-rows", _choice_key(isa), None if loaded is None else measure,
-        group, highest=True, lacking=NEVER,
+        group, highest=True, lacking=NEVER, normalize=lambda rows: rows or NEVER,  # 0: "never" in older files
     )  # fmt: skip
-    rows = 0 if agreed in (0, NEVER) else agreed  # 0: a file from before "never" was stored as NEVER
+    rows = 0 if agreed == NEVER else agreed
     if loaded is None:
         how = f"unavailable: {LOAD_NOTES.get(cache_dir / 'kernels', '')}"
     elif agreed != own:

@@ -675,5 +675,6 @@ def measure_slot_dtype(dtype: torch.dtype, device: torch.device, group: object |
         return int(upcast < 0.7 * native), f"batched apply: {dtype} {native * 1e6:.0f} us, fp32 {upcast * 1e6:.0f} us"
 
     key = f"{torch.__version__}|{dtype}"
-    fp32, _, _ = agreed_choice(cache_root() / "kernel-choice", "lora-slots-fp32", key, measure, group, highest=True)
+    fp32, how, _ = agreed_choice(cache_root() / "kernel-choice", "lora-slots-fp32", key, measure, group, highest=True)
+    log.info("LoRA slots hold %s (%s)", "fp32" if fp32 else dtype, how)
     return torch.float32 if fp32 else dtype

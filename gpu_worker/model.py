@@ -7,6 +7,7 @@ all-reduce each (Megatron-LM). LoRA deltas enter through :class:`LoraApplier` (N
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
@@ -28,6 +29,8 @@ from gpu_worker.tp_plan import ShardPlan
 from gpu_worker.vocab_parallel import head_rows, vocab_range
 from ipc.model_config import ModelConfig
 from ipc.model_source import cache_root
+
+log = logging.getLogger(__name__)
 
 
 class LoraApplier(Protocol):
@@ -140,9 +143,10 @@ def _bf16_upcast_threshold(sample: torch.Tensor, group: object | None = None) ->
         return (8 if upcast < 0.7 * native else never), how
 
     key = f"{torch.__version__}|bf16-upcast"
-    rows, _, _ = agreed_choice(
+    rows, how, _ = agreed_choice(
         cache_root() / "kernel-choice", "bf16-upcast-min-rows", key, measure, group, highest=True
     )
+    log.info("bf16 matmuls %s (%s)", "stay bf16" if rows == never else f"of {rows}+ rows run in fp32", how)
     return rows
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import logging
 import os
 import platform
 import time
@@ -15,6 +16,7 @@ from typing import TypeVar
 from gpu_worker.native_build import isa_caps
 
 A = TypeVar("A", bool, int)  # a cached answer
+log = logging.getLogger(__name__)
 
 
 def best_time(fn: Callable[[], object], repeats: int) -> float:
@@ -52,20 +54,27 @@ def _read_choice(path: Path) -> tuple[int, str] | None:
     """The answer and its note kept at ``path``; None for no file or a damaged one (measure again)."""
     with contextlib.suppress(OSError, ValueError, KeyError, TypeError, AttributeError):
         doc = json.loads(path.read_text())
-        if isinstance(doc["faster"], int):  # bool is an int too
+        # bool is an int too; one past +-2**62 would not survive the ranks' int64 vote
+        if isinstance(doc["faster"], int) and abs(doc["faster"]) <= 1 << 62:
             return int(doc["faster"]), str(doc["how"])
     return None
 
 
-def store_choice(cache_dir: Path, name: str, key: str, answer: int, how: str) -> None:
-    """Keep ``answer`` as ``name``'s answer for ``key`` (written atomically; an unwritable folder only costs the
-    next start a measurement)."""
+def store_choice(cache_dir: Path, name: str, key: str, answer: int, how: str) -> bool:
+    """Keep ``answer`` as ``name``'s answer for ``key``, written atomically. Returns False where it could not be
+    written (an unwritable folder only costs the next start a measurement); leaves no partial file."""
     path = _choice_path(cache_dir, name, key)
-    with contextlib.suppress(OSError):
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    try:
         cache_dir.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
         tmp.write_text(json.dumps({"faster": answer, "how": how}))
         os.replace(tmp, path)
+        return True
+    except OSError:
+        return False
+    finally:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
 
 
 WAIT_SHARE = 0.2  # a timing during which one of its threads waited for a core longer than this share was contended
@@ -145,44 +154,57 @@ def agreed_choice(
     *,
     highest: bool = False,
     lacking: int = 0,
+    normalize: Callable[[int], int] | None = None,
 ) -> tuple[int, str, int]:
     """The answer to ``name`` (whether a kernel is faster, or a threshold in rows) that every TP rank of ``group``
     takes: ``(agreed, how, own)``, ``own`` being this rank's before the vote.
 
     This rank's answer is, in order: the cluster's record (:data:`cluster_record`) in a replacement group; else
     the machine's, kept in ``cache_dir/{name}-{hash}.json`` by an earlier start; else ``measure()`` through
-    :func:`timed_alone`; ``lacking`` when ``measure`` is None (this rank cannot run the kernel). The ranks then
-    take the highest answer (``highest``) or the lowest, and whether any rank's timing was contended. The agreed
-    answer goes into the cluster's record (a replacement group reads it) and, unless a rank's timing was
-    contended, into the machine's file, so later starts choose the same without measuring (a start-up timing
-    on a shared machine can flip with the load of the moment); a contended one is measured again by the next
-    fresh start. Delete the file to measure again.
+    :func:`timed_alone`; ``lacking`` when ``measure`` is None (this rank cannot run the kernel) or raises (logged).
+    ``normalize`` maps a value read from a file (an older file's encoding) before the vote. The ranks then take the
+    highest answer (``highest``) or the lowest, in one all-reduce that also tells whether any rank's timing was
+    contended and whether any rank lacked the kernel. The agreed answer goes into the cluster's record (a
+    replacement group reads it) and, when every rank timed or read an answer and none was contended, into the
+    machine's file, so later starts choose the same without measuring (a start-up timing on a shared machine can
+    flip with the load of the moment). A contended answer is measured again by the next fresh start; a vote that a
+    rank without the kernel decided is not kept. Delete the file to measure again.
     """
     own, note, contended, source = lacking, "", False, "lacking"  # note: how the answer came about, as kept
     path = _choice_path(cache_dir, name, key)
-    recorded = None
     if measure is not None and replacement and cluster_record is not None:
-        recorded = _read_choice(_choice_path(cluster_record, name, key))
-    if measure is None:
-        pass
-    elif recorded is not None:
-        (own, note), source = recorded, "cluster"
-    elif (kept := _read_choice(path)) is not None:
-        (own, note), source = kept, "machine"
-    else:
-        own, note, contended = timed_alone(measure)
-        source = "measured"
-    signed, busy = _all_ranks_max([own if highest else -own, int(contended)], group)
+        if (recorded := _read_choice(_choice_path(cluster_record, name, key))) is not None:
+            (own, note), source = recorded, "cluster"
+    if measure is not None and source == "lacking":
+        if (kept := _read_choice(path)) is not None:
+            (own, note), source = kept, "machine"
+        else:
+            try:
+                own, note, contended = timed_alone(measure)
+                source = "measured"
+            except Exception as e:  # noqa: BLE001 - the ranks must still vote together; this one as if it lacked
+                log.warning("%s: the start-up timing failed (%s: %s); this TP rank votes %d", name,
+                            type(e).__name__, e, lacking)  # fmt: skip
+                own, note, source = lacking, f"the timing failed: {type(e).__name__}: {e}", "failed"
+    if normalize is not None and source in ("cluster", "machine"):
+        own = normalize(own)
+    short = source in ("lacking", "failed")
+    signed, busy, any_short = _all_ranks_max([own if highest else -own, int(contended), int(short)], group)
     agreed = signed if highest else -signed
     how = {
         "cluster": f"{note}, as the TP group this one replaces ran",
         "machine": f"{note}, measured earlier ({path})",
     }.get(source, note)
-    if measure is not None:
-        if cluster_record is not None and source != "cluster":
-            store_choice(cluster_record, name, key, agreed, note)
-        if busy:
-            how += "; not kept for later starts (a TP rank's timing was contended)"
-        elif source == "measured" or (source == "machine" and agreed != own):
-            store_choice(cache_dir, name, key, agreed, note)  # what the group used, whichever rank writes last
+    if source == "cluster" and agreed != own:
+        log.warning("%s: this TP group takes %d where the group it replaces took %d (a rank lacks the kernel now)",
+                    name, agreed, own)  # fmt: skip
+    if agreed != own:
+        note = f"{note} (this rank's answer, {own}; the TP ranks agreed on {agreed})"
+    if cluster_record is not None and source != "cluster" and not store_choice(cluster_record, name, key, agreed, note):
+        log.warning("%s: could not record the choice in %s; a replacement TP group will choose again", name,
+                    cluster_record)  # fmt: skip
+    if busy:
+        how += "; not kept for later starts (a TP rank's timing was contended)"
+    elif not any_short and (source == "measured" or (source == "machine" and agreed != own)):
+        store_choice(cache_dir, name, key, agreed, note)  # what the group used, whichever rank writes last
     return agreed, how, own

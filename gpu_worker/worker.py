@@ -99,7 +99,7 @@ class Worker:
         self.dtype = resolve_dtype(args.dtype, args.model_path, self.device, self.quantization)
         weights = load_shard(args.model_path, self.cfg, self.plan, self.dtype, self.device, self.quantization)
         self.model = LlamaShard(self.cfg, self.plan, weights, group)  # takes its vocabulary rows of the head
-        self.packed_linears = self._pack_linears(weights)
+        self.packed_linears = self._pack_linears(weights, group)
         if self.device.type == "cpu":  # before any kernel records a weight's address
             moved = huge_pages.move_to_huge_pages(weights)
             how = huge_pages.status()
@@ -142,15 +142,19 @@ class Worker:
         self._gen = torch.Generator(device=self.device)
         self._gen.manual_seed(args.random_seed)
 
-    def _pack_linears(self, weights: dict) -> bool:
+    def _pack_linears(self, weights: dict, group: object | None) -> bool:
         """Hold the dense half-precision linears in oneDNN's blocked layout where a start-up measurement on this
-        rank's own gate/up weight finds it faster (``gpu_worker.packed_linear``); logs the timings. Each rank decides
-        alone: only bf16/fp16 weights are packed, whose rounding already differs across batch shapes, and a rank's
-        products enter the all-reduce the same way either way."""
+        rank's own gate/up weight finds it faster (``gpu_worker.packed_linear``), agreed by the TP ranks and kept
+        like every start-up choice (:func:`gpu_worker.timing.agreed_choice`: a replacement group packs as the group
+        it replaces did, so a failover does not change the rounding); logs the timings."""
         sample = weights["layers"][0].get("gate_up") if weights["layers"] else None
         if not isinstance(sample, torch.Tensor):
             return False  # quantised weights run their own kernels
-        pays, how = packing_pays(sample)
+        from gpu_worker.timing import agreed_choice
+
+        name, key = "packed-linears", f"{torch.__version__}|{sample.dtype}|{tuple(sample.shape)}"
+        vote, how, _ = agreed_choice(cache_root() / "kernel-choice", name, key, lambda: packing_pays(sample), group)
+        pays = bool(vote)
         if pays:
             pack_linears(weights)
         log.info("rank %d: packed bf16/fp16 linear weights %s", self.rank, how)

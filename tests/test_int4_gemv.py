@@ -171,8 +171,8 @@ def test_a_restart_reads_the_value_the_tp_ranks_agreed_on(tmp_path, monkeypatch)
     first, _ = choose_gemv_kernel(tmp_path)
     if first is None or first.max_rows < 2:
         pytest.skip("no GEMV that takes 2 rows or more on this machine")
-    # another rank takes it up to 1 row (the ranks take the max of [-rows, contended])
-    monkeypatch.setattr(timing, "_all_ranks_max", lambda values, group: [max(values[0], -1), values[1]])
+    # another rank takes it up to 1 row (the ranks take the max of [-rows, contended, lacked])
+    monkeypatch.setattr(timing, "_all_ranks_max", lambda values, group: [max(values[0], -1), *values[1:]])
     agreed, how = choose_gemv_kernel(tmp_path, group=object())
     assert agreed is not None and agreed.max_rows == 1 and "another TP rank takes it up to 1 rows" in how
     monkeypatch.undo()

@@ -72,7 +72,8 @@ def test_a_timing_beside_busy_processes_is_repeated_and_marked(monkeypatch):
 
 
 def _fake(monkeypatch, contended: list[bool], others: list[int] | None = None):
-    """timed_alone reporting ``contended[0]``; the other TP ranks' votes ``others`` (max of [±answer, busy])."""
+    """timed_alone reporting ``contended[0]``; the other TP ranks' votes ``others`` (max of [±answer, contended,
+    lacked the kernel])."""
 
     def fake_timed_alone(measure):
         answer, how = measure()
@@ -113,7 +114,7 @@ def test_a_contended_answer_is_used_but_not_kept(monkeypatch, tmp_path):
 
 
 def test_a_rank_alone_keeps_nothing_when_another_ranks_timing_was_contended(monkeypatch, tmp_path):
-    _fake(monkeypatch, [False], others=[0, 1])  # the other rank found the kernel never faster, under contention
+    _fake(monkeypatch, [False], others=[0, 1, 0])  # the other rank found the kernel never faster, under contention
     calls, measure = _counting()
     agreed, how, own = timing.agreed_choice(tmp_path, "c", "k", measure, group=object(), highest=True)
     assert (agreed, own) == (5, 5) and "a TP rank's timing was contended" in how
@@ -121,11 +122,12 @@ def test_a_rank_alone_keeps_nothing_when_another_ranks_timing_was_contended(monk
 
 
 def test_the_agreed_answer_is_kept_not_this_ranks_own(monkeypatch, tmp_path):
-    _fake(monkeypatch, [False], others=[-2, 0])  # lowest wins: another rank says 2
+    _fake(monkeypatch, [False], others=[-2, 0, 0])  # lowest wins: another rank says 2
     calls, measure = _counting()
     assert timing.agreed_choice(tmp_path, "c", "k", measure, group=object()) == (2, "attempt 1", 5)
     (path,) = tmp_path.glob("c-*.json")
-    assert json.loads(path.read_text())["faster"] == 2
+    kept = json.loads(path.read_text())
+    assert kept["faster"] == 2 and kept["how"] == "attempt 1 (this rank's answer, 5; the TP ranks agreed on 2)"
     monkeypatch.undo()
     _fake(monkeypatch, [False])
     agreed, how, _ = timing.agreed_choice(tmp_path, "c", "k", measure)  # a later start alone reads the group's
@@ -148,9 +150,46 @@ def test_a_replacement_group_runs_what_the_cluster_ran(monkeypatch, tmp_path):
 
 
 def test_a_rank_without_the_kernel_votes_and_keeps_nothing(monkeypatch, tmp_path):
-    _fake(monkeypatch, [False], others=[-3, 0])
+    _fake(monkeypatch, [False], others=[-3, 0, 0])
     assert timing.agreed_choice(tmp_path, "c", "k", None, group=object(), lacking=0) == (0, "", 0)
     assert not tmp_path.exists() or not list(tmp_path.iterdir())
+
+
+def test_a_vote_that_a_rank_without_the_kernel_decided_is_not_kept_machine_wide(monkeypatch, tmp_path):
+    machine, cluster = tmp_path / "machine", tmp_path / "cluster"
+    monkeypatch.setattr(timing, "cluster_record", cluster)
+    _fake(monkeypatch, [False], others=[0, 0, 1])  # the other rank has no kernel: it votes 0
+    calls, measure = _counting()
+    agreed, _, own = timing.agreed_choice(machine, "c", "k", measure, group=object())
+    assert (agreed, own) == (0, 5)
+    assert not machine.exists()  # a later start with the kernel on every rank measures again
+    (rec,) = cluster.glob("c-*.json")  # but a replacement group runs what this group ran
+    assert json.loads(rec.read_text())["faster"] == 0
+
+
+def test_a_timing_that_raises_votes_as_lacking(monkeypatch, tmp_path, caplog):
+    def broken():
+        raise RuntimeError("oneDNN said no")
+
+    agreed, how, own = timing.agreed_choice(tmp_path, "c", "k", broken, lacking=7)
+    assert (agreed, own) == (7, 7) and "the timing failed: RuntimeError: oneDNN said no" in how
+    assert "c: the start-up timing failed" in caplog.text
+    assert not tmp_path.exists() or not list(tmp_path.iterdir())
+
+
+def test_older_encodings_are_normalised_before_the_vote(monkeypatch, tmp_path):
+    _fake(monkeypatch, [False])
+    timing.store_choice(tmp_path, "c", "k", 0, "an older file's never")
+    calls, measure = _counting()
+    agreed, _, own = timing.agreed_choice(tmp_path, "c", "k", measure, highest=True, normalize=lambda v: v or 99)
+    assert (agreed, own) == (99, 99) and not calls
+
+
+def test_a_failed_write_leaves_no_partial_file(tmp_path):
+    path = timing._choice_path(tmp_path, "c", "k")
+    path.mkdir(parents=True)  # the file's name is taken by a folder: the rename fails
+    assert timing.store_choice(tmp_path, "c", "k", 1, "x") is False
+    assert [q.name for q in tmp_path.iterdir()] == [path.name]
 
 
 def test_damaged_and_older_files_are_handled(monkeypatch, tmp_path):
@@ -160,5 +199,7 @@ def test_damaged_and_older_files_are_handled(monkeypatch, tmp_path):
     tmp_path.mkdir(exist_ok=True)
     path.write_text('{"faster": "yes"')  # damaged: measured again
     assert timing.agreed_choice(tmp_path, "c", "k", measure)[0] == 5
+    path.write_text(json.dumps({"faster": 2**63, "how": "too big for the ranks' int64 vote"}))  # damaged too
+    assert timing.agreed_choice(tmp_path, "c", "k", measure)[0] == 6
     path.write_text(json.dumps({"faster": 7, "how": "an older file", "contended": True}))  # extra keys are read past
-    assert timing.agreed_choice(tmp_path, "c", "k", measure)[0] == 7 and len(calls) == 1
+    assert timing.agreed_choice(tmp_path, "c", "k", measure)[0] == 7 and len(calls) == 2
