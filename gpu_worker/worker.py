@@ -153,8 +153,10 @@ class Worker:
         from gpu_worker.timing import agreed_choice
 
         name, key = "packed-linears", f"{torch.__version__}|{sample.dtype}|{tuple(sample.shape)}"
-        vote, how, _ = agreed_choice(cache_root() / "kernel-choice", name, key, lambda: packing_pays(sample), group)
+        vote, how, own = agreed_choice(cache_root() / "kernel-choice", name, key, lambda: packing_pays(sample), group)
         pays = bool(vote)
+        if own and not pays:
+            how += "; not used: another TP rank found the plain product faster"
         if pays:
             pack_linears(weights)
         log.info("rank %d: packed bf16/fp16 linear weights %s", self.rank, how)
