@@ -603,3 +603,29 @@ def test_front_door_metrics_carry_over_a_restart(tmp_path) -> None:
     (tmp_path / "front-door-metrics.json").write_text("{torn")
     _, m4 = door()  # a torn file: start from zero, never fail
     assert scrape(m4)[("loom_prompt_tokens_total", ())] == 0
+
+
+def test_a_client_that_leaves_mid_body_is_not_a_server_error(caplog) -> None:
+    """A body cut short by the client's disconnect answers 499 (nobody to answer), logged as no bug."""
+    import logging
+
+    from starlette.requests import Request
+
+    caplog.set_level(logging.INFO)
+    from tokenizer_proc.http_io import guarded
+    from tokenizer_proc.openai_routes import error_response
+
+    msgs = [{"type": "http.request", "body": b'{"messages": [', "more_body": True}, {"type": "http.disconnect"}]
+
+    async def receive() -> dict:
+        return msgs.pop(0)
+
+    async def endpoint(request: Request):
+        await request.body()
+        raise AssertionError("the body cannot arrive")
+
+    scope = {"type": "http", "method": "POST", "path": "/generate", "headers": [], "query_string": b""}
+    resp = asyncio.run(guarded(error_response)(endpoint)(Request(scope, receive)))
+    assert resp.status_code == 499
+    assert "the client disconnected before its body arrived" in caplog.text and "Traceback" not in caplog.text
+    assert not [r for r in caplog.records if r.levelname in ("ERROR", "CRITICAL")]

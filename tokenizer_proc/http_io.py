@@ -17,7 +17,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Protocol
 
 import msgspec
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
@@ -70,6 +70,10 @@ def guarded(to_error: ErrorMaker) -> Callable[[Endpoint], Endpoint]:
                 return await fn(request)
             except HttpError as e:
                 return to_error(e.status, e.message, e.param, e.headers)
+            except ClientDisconnect:  # the client left while its body was read: no bug, nobody to answer
+                log.info("HTTP %s %s: the client disconnected before its body arrived", request.method,
+                         request.url.path)  # fmt: skip
+                return disconnected_response()
             except Exception as e:  # noqa: BLE001 - a handler bug answers 500; the server stays up
                 log.exception("HTTP %s %s failed", request.method, request.url.path)
                 return to_error(500, f"internal error: {type(e).__name__}: {e}", None, None)
