@@ -60,6 +60,7 @@ Q8_ENTRY = {
 }  # csrc/q8_linear.c's batch kernel on the same ISA
 # the few-row GEMV entry points by instruction set, best first (AVX2-FMA: + the packing block, 32 or 64)
 GEMV_ISAS = {"AVX-512": "loom_int4_gemv512", "AVX2-FMA": "loom_int4_gemv_avx2_"}
+GEMV_NOTES: dict[Path, str] = {}  # why load_int4_gemv(cache_dir) found no GEMV, where it knows
 NEVER = 1 << 30  # the batch threshold of a kernel never faster than PyTorch's (the TP ranks take the highest)
 
 # why the last load_int4_batch(cache_dir) has no kernel, or runs it single-threaded ("" = built with OpenMP)
@@ -166,9 +167,10 @@ def _entry(lib: ctypes.CDLL, name: str) -> ctypes._CFuncPtr | None:  # type: ign
 def load_int4_gemv(cache_dir: Path) -> tuple[ctypes._CFuncPtr, str] | None:  # type: ignore[name-defined]
     """The best few-row GEMV (:data:`GEMV_ISAS`) this CPU runs over PyTorch's packing here, built into ``cache_dir``
     on first use, and its ISA; None without a compiler, a known packing, or AVX2 with FMA."""
-    lib, _ = load_library(SOURCE, cache_dir)
+    lib, note = load_library(SOURCE, cache_dir)
     block = torch_int4_block()
     if lib is None or block == 0:
+        GEMV_NOTES[cache_dir] = note if lib is None else "PyTorch's 4-bit packing here is not one the GEMV reads"
         return None
     for isa, name in GEMV_ISAS.items():
         if isa == "AVX-512" and block != 64:
@@ -297,7 +299,7 @@ def choose_gemv_kernel(cache_dir: Path, group: object | None = None) -> tuple[Ge
     name, key = "int4-gemv-max-rows", _choice_key(isa)
     agreed, how, own = agreed_choice(cache_dir / "kernel-choice", name, key, measure, group)
     if loaded is None:
-        how = "unavailable (no compiler, AVX2 with FMA, or known 4-bit packing)"
+        how = f"unavailable: {GEMV_NOTES.get(cache_dir / 'kernels') or 'this CPU has no AVX2 with FMA'}"
     elif agreed != own:
         how += f"; another TP rank {'lacks it' if agreed == 0 else f'takes it up to {agreed} rows'}"
     if not agreed or loaded is None:

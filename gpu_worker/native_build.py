@@ -64,24 +64,30 @@ def isa_caps() -> str:
 
 
 @functools.cache
-def _isa_macros(cc: tuple[str, ...], target: str) -> frozenset[str] | None:
+def _isa_macros(cc: tuple[str, ...], target: str) -> frozenset[str] | str:
     """The instruction-set macros (``__AVX2__``, ``__AVX512F__``, ``__AMX_TILE__``...) the compiler defines for
-    ``-march=target``; None where it cannot tell (an unknown target fails in the build, with the compiler's word)."""
+    ``-march=target``, or the compiler's first line of complaint where it refuses the target (or does not run)."""
     try:
-        out = subprocess.run([*cc, f"-march={target}", "-dM", "-E", "-x", "c", os.devnull], capture_output=True,
-                             text=True, timeout=30, check=True).stdout  # fmt: skip
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return frozenset(re.findall(r"#define (__(?:AVX|AMX|FMA|F16C|BMI|SSE|VNNI|VPCLMUL|GFNI)\w*__) ", out))
+        r = subprocess.run([*cc, f"-march={target}", "-dM", "-E", "-x", "c", os.devnull], capture_output=True,
+                           text=True, timeout=30)  # fmt: skip
+    except (OSError, subprocess.SubprocessError) as e:
+        return f"{' '.join(cc)} does not run ({e})"
+    if r.returncode:
+        lines = [ln.strip() for ln in r.stderr.splitlines() if ln.strip()]
+        return next((ln for ln in lines if "error" in ln), lines[0] if lines else f"exit status {r.returncode}")
+    return frozenset(re.findall(r"#define (__(?:AVX|AMX|FMA|F16C|BMI|SSE|VNNI|VPCLMUL|GFNI)\w*__) ", r.stdout))
 
 
-def _isa_beyond_native(cc: tuple[str, ...], target: str) -> list[str]:
-    """The instruction sets ``-march=target`` would use that ``-march=native`` does not (this CPU lacks them: a
-    kernel built so would stop the worker with SIGILL, not fall back), as macro names without underscores."""
-    mine, theirs = _isa_macros(cc, "native"), _isa_macros(cc, target)
-    if mine is None or theirs is None:
-        return []
-    return sorted(m.strip("_") for m in theirs - mine)
+def march_problem(cc: tuple[str, ...], target: str) -> str:
+    """Why kernels cannot be built for ``-march=target`` on this CPU ("" when they can): the compiler refuses the
+    name, or the target has instructions ``-march=native`` does not (a kernel built so would stop the worker with
+    SIGILL, not fall back)."""
+    theirs = _isa_macros(cc, target)
+    if isinstance(theirs, str):
+        return f"LOOM_MARCH={target}: the compiler refuses it ({theirs[:200]})"
+    mine = _isa_macros(cc, "native")
+    beyond = sorted(m.strip("_") for m in theirs - mine) if not isinstance(mine, str) else []
+    return f"LOOM_MARCH={target} builds for {', '.join(beyond)}, which this CPU does not run" if beyond else ""
 
 
 def cflags(openmp: bool) -> list[str]:
@@ -155,8 +161,8 @@ def load_library(source: Path, cache_dir: Path) -> tuple[ctypes.CDLL | None, str
         target = march()
     except ValueError as e:
         return None, str(e)
-    if target != "native" and (beyond := _isa_beyond_native(tuple(cc), target)):
-        return None, f"LOOM_MARCH={target} builds for {', '.join(beyond)}, which this CPU does not run"
+    if target != "native" and (problem := march_problem(tuple(cc), target)):
+        return None, problem
     try:
         version = subprocess.run([*cc, "--version"], capture_output=True, text=True, timeout=30, check=True).stdout
     except (OSError, subprocess.SubprocessError) as e:
@@ -197,10 +203,14 @@ def load_kernel(
     lib, note = load_library(source, cache_dir)
     notes[cache_dir] = note
     if lib is None:
-        log.log(unavailable, "%s unavailable: %s", what, note)
+        # a kernel asked for by name (LOOM_MARCH) that cannot be built is worth a warning, not a quiet fallback
+        log.log(logging.WARNING if note.startswith("LOOM_MARCH=") else unavailable, "%s unavailable: %s", what, note)
         return None
     if note:
         log.warning("%s runs %s", what, note)
+    with contextlib.suppress(ValueError):
+        if march() != "native":
+            log.info("%s built for -march=%s (LOOM_MARCH)", what, march())
     for name, argtypes in functions.items():
         f = getattr(lib, name)
         f.argtypes, f.restype = argtypes, ctypes.c_int

@@ -73,3 +73,13 @@ def test_a_target_beyond_this_cpu_is_refused(monkeypatch, tmp_path):
     monkeypatch.setenv("LOOM_MARCH", "knl")
     lib, note = load_library(ib.SOURCE, tmp_path)
     assert lib is None and "LOOM_MARCH=knl builds for AVX512ER" in note and "this CPU does not run" in note
+
+
+def test_a_name_the_compiler_refuses_says_so_in_its_words(monkeypatch, tmp_path):
+    if compiler() is None:
+        pytest.skip("no C compiler")
+    monkeypatch.setenv("LOOM_MARCH", "bogus-cpu")
+    lib, note = load_library(ib.SOURCE, tmp_path)
+    assert lib is None and note.startswith("LOOM_MARCH=bogus-cpu: the compiler refuses it (")
+    assert "bogus-cpu" in note[len("LOOM_MARCH=bogus-cpu") :]  # the compiler's own line names the value
+    assert not list(tmp_path.iterdir())
