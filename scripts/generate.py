@@ -110,7 +110,10 @@ def sampling_params(a: argparse.Namespace) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     """Parse flags, send the request, print text (or JSON); exit 1 with the server's message on error (or the
     endpoint when the server cannot be reached), 2 on bad flags."""
-    a = build_parser().parse_args(argv)
+    parser = build_parser()
+    a = parser.parse_args(argv)
+    if not a.timeout > 0:  # also NaN
+        parser.error(f"--timeout {a.timeout}: give a number of seconds above 0")
     try:
         messages = parse_messages(a.messages_json) if a.messages_json is not None else None
         input_ids = parse_input_ids(a.input_ids) if a.input_ids is not None else None

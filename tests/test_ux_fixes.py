@@ -342,3 +342,11 @@ def test_sync_client_reusing_an_aborted_streams_rid_gets_its_own_reply(tmp_path)
         assert c.generate("The capital of France is", sampling_params=sp)["text"] == want["text"]
         chunks = list(c.generate("The capital of France is", sampling_params=sp, rid="x1", stream=True))
         assert chunks[-1]["text"] == want["text"]
+
+
+@pytest.mark.parametrize("bad", ["0", "-1", "nan"])
+def test_generate_script_refuses_a_timeout_that_is_not_positive(bad, capsys):
+    gen = _load_generate()
+    with pytest.raises(SystemExit) as e:
+        gen.main(["--text", "hi", "--timeout", bad])
+    assert e.value.code == 2 and "give a number of seconds above 0" in capsys.readouterr().err

@@ -206,7 +206,11 @@ class LoraRegistry:
             raise AdapterRefused(str(e)) from None
         rank = cfg.max_rank(self.num_layers)
         if rank > self.max_lora_rank:
-            raise AdapterRefused(f"LoRA adapter {name}: rank {rank} exceeds --max-lora-rank {self.max_lora_rank}")
+            raise AdapterRefused(
+                f"LoRA adapter {name}: rank {rank} exceeds --max-lora-rank {self.max_lora_rank} (the server's pools "
+                "hold that rank at most; restart it with a larger --max-lora-rank, which otherwise defaults to the "
+                "largest rank among --lora-paths)"
+            )
         return str(p), rank
 
     def _absolute(self, path: str) -> Path:
