@@ -161,12 +161,12 @@ def load_library(source: Path, cache_dir: Path) -> tuple[ctypes.CDLL | None, str
         target = march()
     except ValueError as e:
         return None, str(e)
-    if target != "native" and (problem := march_problem(tuple(cc), target)):
-        return None, problem
     try:
         version = subprocess.run([*cc, "--version"], capture_output=True, text=True, timeout=30, check=True).stdout
     except (OSError, subprocess.SubprocessError) as e:
         return None, f"the C compiler {' '.join(cc)} does not run ({_failure(e)})"
+    if target != "native" and (problem := march_problem(tuple(cc), target)):
+        return None, problem
     headers = b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))  # what the source may include
     key = hashlib.sha256(
         source.read_bytes() + headers + " ".join(cflags(False)).encode() + version.encode() + cpu_flags().encode()

@@ -40,6 +40,14 @@ static void load_x(const void* x, int x_bf16, int64_t in_dim, const int64_t* tok
     }
 }
 
+/* 16-lane vectors take two registers without AVX-512, which has 16 of them (AVX2) where AVX-512 has 32 */
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define LORA_AVX2 1 /* 8-lane versions of the generic shrink and expand (dot_avx2, axpy_avx2) */
+#else
+#define LORA_AVX2 0
+#endif
+
 /* u[t, j] = xf[t] . w for NT tokens (one slot row w, fp32, in_dim long); NT is a compile-time constant so the
  * NT accumulators are registers */
 #define DEFINE_DOT(NT)                                                                                         \
@@ -62,6 +70,33 @@ DEFINE_DOT(1)
 DEFINE_DOT(2)
 DEFINE_DOT(4)
 DEFINE_DOT(8)
+
+#if LORA_AVX2
+/* dotNT on AVX2 (see axpy_avx2 below for why): up to 4 tokens at a time, two ymm accumulators each */
+static void dot_avx2(const float* xf, const float* w, int64_t in_dim, float* u, int64_t u_stride, int nt) {
+    for (int t0 = 0; t0 < nt; t0 += 4) {
+        const int n = nt - t0 < 4 ? nt - t0 : 4;
+        __m256 acc[4][2];
+        for (int t = 0; t < 4; t++) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
+        int64_t i = 0;
+        for (; i + 16 <= in_dim; i += 16) {
+            const __m256 w0 = _mm256_loadu_ps(w + i), w1 = _mm256_loadu_ps(w + i + 8);
+            for (int t = 0; t < n; t++) {
+                const float* xt = xf + (int64_t)(t0 + t) * in_dim + i;
+                acc[t][0] = _mm256_fmadd_ps(_mm256_loadu_ps(xt), w0, acc[t][0]);
+                acc[t][1] = _mm256_fmadd_ps(_mm256_loadu_ps(xt + 8), w1, acc[t][1]);
+            }
+        }
+        for (int t = 0; t < n; t++) {
+            float v[8];
+            _mm256_storeu_ps(v, _mm256_add_ps(acc[t][0], acc[t][1]));
+            float s = ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7]));
+            for (int64_t k = i; k < in_dim; k++) s += xf[(int64_t)(t0 + t) * in_dim + k] * w[k];
+            u[(t0 + t) * u_stride] = s;
+        }
+    }
+}
+#endif
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 /* CPUs with AVX512-BF16 (Cooper Lake, Sapphire Rapids, Zen 4+): bf16 x and bf16 A multiply in one instruction,
@@ -276,6 +311,10 @@ static void shrink_block(const float* xf, int nt, const void* a, int w_bf16, int
         }
         float* uj = u + p0 * u_stride + j % nmod * rc + j / nmod;
         /* a block of nt tokens runs the next power-of-two kernel on zero-padded rows of xf: one pass over w */
+#if LORA_AVX2
+        dot_avx2(xf, w, in_dim, uj, u_stride, nt);
+        continue;
+#endif
         if (nt > 4) dot8(xf, w, in_dim, uj, u_stride, nt);
         else if (nt > 2) dot4(xf, w, in_dim, uj, u_stride, nt);
         else if (nt > 1) dot2(xf, w, in_dim, uj, u_stride, nt);
@@ -351,6 +390,49 @@ DEFINE_AXPY(1)
 DEFINE_AXPY(2)
 DEFINE_AXPY(4)
 DEFINE_AXPY(8)
+
+#if LORA_AVX2
+/* The generic expand on AVX2: axpyNT's 16-lane accumulators, two ymm each, stayed on the stack even for NT = 2
+ * (GCC lowers the 16-lane type after deciding what lives in registers), 6x slower than PyTorch. Here each token's
+ * 32 columns are 4 ymm accumulators; B's block (at most 64 ranks x 128 bytes) is read from L1 for each token. */
+static void axpy_avx2(const float* uk, int64_t u_stride, int64_t r, const void* blk, int w_bf16, void* out,
+                      const int64_t* offs, int out_bf16, int nt, int64_t ow) {
+    const __m256i hi_mask = _mm256_set1_epi32((int)0xffff0000u);
+    for (int t = 0; t < nt; t++) {
+        const float* ut = uk + t * u_stride;
+        __m256 a[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+        if (w_bf16) {
+            for (int64_t j = 0; j < r; j += 2) {
+                const uint32_t* br = (const uint32_t*)blk + (j / 2) * BC;
+                if (t == 0) __builtin_prefetch(br + PF * BC);
+                const __m256 ue = _mm256_set1_ps(ut[j]), uo = _mm256_set1_ps(j + 1 < r ? ut[j + 1] : 0.f);
+                for (int q = 0; q < 4; q++) {
+                    const __m256i w = _mm256_loadu_si256((const __m256i*)(br + 8 * q));
+                    a[q] = _mm256_fmadd_ps(ue, _mm256_castsi256_ps(_mm256_slli_epi32(w, 16)), a[q]);
+                    a[q] = _mm256_fmadd_ps(uo, _mm256_castsi256_ps(_mm256_and_si256(w, hi_mask)), a[q]);
+                }
+            }
+        } else {
+            for (int64_t j = 0; j < r; j++) {
+                const float* br = (const float*)blk + j * BC;
+                if (t == 0) __builtin_prefetch(br + PF * BC);
+                const __m256 uj = _mm256_set1_ps(ut[j]);
+                for (int q = 0; q < 4; q++) a[q] = _mm256_fmadd_ps(uj, _mm256_loadu_ps(br + 8 * q), a[q]);
+            }
+        }
+        float sum[BC];
+        for (int q = 0; q < 4; q++) _mm256_storeu_ps(sum + 8 * q, a[q]);
+        for (int64_t v = 0; v < ow; v++) {
+            if (out_bf16) {
+                uint16_t* o = (uint16_t*)out + offs[t] + v;
+                *o = f32_to_bf16(bf16_to_f32(*o) + sum[v]);
+            } else {
+                ((float*)out)[offs[t] + v] += sum[v];
+            }
+        }
+    }
+}
+#endif
 
 #if HAVE_BF16_DOT
 /* The expand of bf16 B on vdpbf16ps (CPUs with AVX512-BF16 but no AMX): B's rank pairs are already the pair layout
@@ -444,6 +526,10 @@ static void expand_block(const float* u, int64_t u_stride, int64_t nmod, int64_t
     int64_t ow = out_k - o0 < BC ? out_k - o0 : BC;
     /* nt <= TB tokens run the next power-of-two kernel: rows past the block read other positions' u (or the
      * zeroed padding rows after the last one) and are never stored */
+#if LORA_AVX2
+    axpy_avx2(uk, u_stride, r, blk, w_bf16, out, offs, out_bf16, nt, ow);
+    return;
+#endif
     if (nt > 4) axpy8(uk, u_stride, r, blk, w_bf16, out, offs, out_bf16, nt, ow);
     else if (nt > 2) axpy4(uk, u_stride, r, blk, w_bf16, out, offs, out_bf16, nt, ow);
     else if (nt > 1) axpy2(uk, u_stride, r, blk, w_bf16, out, offs, out_bf16, nt, ow);
