@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
@@ -86,6 +87,43 @@ def _case(seed: int, in_dim: int, outs: list[int], n_slots: int, max_rank: int, 
 def test_kernel_matches_float64_maths(fn, in_dim, outs, xdt, wdt, max_rank):
     """Interleaved tokens of several slots (1 to 19 tokens each: every register-block size and partial blocks),
     mixed ranks including rank 0 per sub-module, base tokens untouched."""
+    _check_against_float64(fn, in_dim, outs, xdt, wdt, max_rank)
+
+
+@pytest.fixture(scope="module")
+def fn_avx2(tmp_path_factory):
+    """The kernel built for AVX2 and FMA only (``LOOM_MARCH=x86-64-v3``: its 8-lane shrink and expand), where this
+    compiler targets it and this CPU runs it."""
+    before = os.environ.get("LOOM_MARCH")
+    os.environ["LOOM_MARCH"] = "x86-64-v3"
+    try:
+        f = load_sgmv.__wrapped__(tmp_path_factory.mktemp("kernels-avx2"))
+    finally:
+        if before is None:
+            del os.environ["LOOM_MARCH"]
+        else:
+            os.environ["LOOM_MARCH"] = before
+    if f is None:
+        pytest.skip("no x86-64-v3 build here (another architecture, compiler or CPU)")
+    return f
+
+
+@pytest.mark.parametrize(
+    "in_dim,outs,xdt,wdt,max_rank",
+    [
+        (64, [64, 32, 32], torch.float32, torch.float32, 16),
+        (128, [80, 48, 16], torch.bfloat16, torch.bfloat16, 45),
+        (40, [70, 33], torch.bfloat16, torch.bfloat16, 16),
+        (72, [50, 18, 18], torch.float32, torch.float32, 16),
+        (48, [64, 64], torch.bfloat16, torch.float32, 16),
+    ],
+)
+def test_avx2_build_matches_float64_maths(fn_avx2, in_dim, outs, xdt, wdt, max_rank):
+    """The same checks on the AVX2 build (its 8-lane dot_avx2 and axpy_avx2), which CPUs without AVX-512 run."""
+    _check_against_float64(fn_avx2, in_dim, outs, xdt, wdt, max_rank)
+
+
+def _check_against_float64(fn, in_dim, outs, xdt, wdt, max_rank):
     n_slots = 4
     la, plain, cols = _case(in_dim + len(outs), in_dim, outs, n_slots, max_rank, wdt)
     rnd = random.Random(in_dim)
