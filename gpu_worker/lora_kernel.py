@@ -229,8 +229,7 @@ def choose_backend(
     from gpu_worker.timing import agreed_choice
 
     key = f"{torch.__version__}|{dtype}|{hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:16]}"
-    kernel = fn
-    measure = None if kernel is None else (lambda: _kernel_beats_torch(kernel, dtype))
+    measure = None if fn is None else (lambda: _kernel_beats_torch(fn, dtype))
     # every rank votes, also one without the kernel, so all take the same path
     vote, measured, own = agreed_choice(cache_dir / "kernel-choice", "lora-sgmv-vs-torch", key, measure, group)
     faster = bool(vote)

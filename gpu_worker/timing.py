@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import logging
@@ -34,14 +35,20 @@ def best_time(fn: Callable[[], object], repeats: int) -> float:
     return min(times)
 
 
-def _choice_path(cache_dir: Path, name: str, key: str) -> Path:
-    """Where ``name``'s answer for ``key`` is kept on this CPU (its model and flags, and any narrowing of the
-    instruction set, :func:`~gpu_worker.native_build.isa_caps`, in the hash)."""
-    flags = ""
+@functools.cache
+def _cpu_identity() -> str:
+    """This CPU's ``model name`` and ``flags`` lines of /proc/cpuinfo ("" where there are none), read once."""
     with contextlib.suppress(OSError):
         with open("/proc/cpuinfo") as f:
             info = f.read()
-        flags = " ".join(line for line in info.splitlines() if line.startswith(("model name", "flags")))[:4000]
+        return " ".join(line for line in info.splitlines() if line.startswith(("model name", "flags")))[:4000]
+    return ""
+
+
+def _choice_path(cache_dir: Path, name: str, key: str) -> Path:
+    """Where ``name``'s answer for ``key`` is kept on this CPU (its model and flags, and any narrowing of the
+    instruction set, :func:`~gpu_worker.native_build.isa_caps`, in the hash)."""
+    flags = _cpu_identity()
     with contextlib.suppress(ValueError):  # a bad LOOM_MARCH built no kernel: nothing to choose between
         caps = isa_caps()
         if caps != "march=native":  # the native answers keep the files they had before LOOM_MARCH existed
