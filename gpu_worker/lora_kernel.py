@@ -67,11 +67,10 @@ def unpack_b(src: torch.Tensor, fout: int, r: int) -> torch.Tensor:
     return src[: nb * r * BLOCK_COLS].view(nb, r, BLOCK_COLS).transpose(0, 1).reshape(r, nb * BLOCK_COLS)[:, :fout]
 
 
-# loom_lora_sgmv takes one block of 19 int64 (native_build.arg_block): in_dim, x, x_bf16, out, out_stride
-# (elements), out_bf16, tok (int64: the LoRA tokens' rows, grouped by slot), nseg, seg (int64 nseg x 3), A (the
-# fused arena, [rows, in]), start (int64 [slots]: each slot's first rank row in the arenas), w_bf16, nmod, ranks
-# (int32 [slots, nmod] of this layer), B (nmod pointers), out_k (int64 x nmod), col_k (int64 x nmod), u (fp32
-# scratch), u_stride
+# loom_lora_sgmv takes one block of 18 int64 (native_build.arg_block): in_dim, x, x_bf16, out, out_stride
+# (elements), out_bf16, tok (int64: the LoRA tokens' rows, grouped by slot), nseg, seg (int64 nseg x 3), a_tab (int64
+# [slots]: each slot's shrink rows), b_tab (int64 [slots, nmod]: each slot's packed expand weights), w_bf16, nmod,
+# ranks (int32 [slots, nmod] of this layer), out_k (int64 x nmod), col_k (int64 x nmod), u (fp32 scratch), u_stride
 _ARGTYPES = [ctypes.c_void_p]
 
 
@@ -92,38 +91,56 @@ def load_sgmv(cache_dir: Path) -> ctypes._CFuncPtr | None:  # type: ignore[name-
 
 
 class SgmvLayerArgs:
-    """The constant arguments of one (layer, fused projection) call: arenas, slot places, ranks, column offsets.
+    """The constant arguments of one (layer, fused projection) call: where each slot's weights are, their ranks,
+    the sub-modules' widths and column offsets.
 
-    ``A`` is the fused shrink arena ``[rows, in]``: slot ``s`` holds rank ``j`` of sub-module ``k`` in row
-    ``(start[s] + j) * nmod + k``, and at least 16 rows follow the last slot's (AMX reads whole 16-row tiles).
-    ``Bs`` are the sub-modules' 1-D expand arenas: slot ``s`` from element ``start[s] * b_row_elems(out_k)``,
-    written by :func:`pack_b` at its rank, and :data:`TILE_PAD` zeros after the last slot. ``outs`` are their
-    real widths, ``ranks`` an int32 ``[slots, nmod]`` view and ``start`` an int64 ``[slots]`` tensor, both kept
-    current by the pool, ``cols`` each sub-module's first column in the fused output. All tensors must outlive
-    this object (the pool's do).
+    ``a_tab`` int64 ``[slots]`` holds the address of each slot's shrink rows ``[rows, in_dim]`` (row ``j * nmod + k``
+    = rank ``j`` of sub-module ``k``, zero past that sub-module's rank, 16 readable rows after the last: AMX reads
+    whole 16-row tiles); ``b_tab`` int64 ``[slots, nmod]`` the address of each sub-module's expand weights, written
+    by :func:`pack_b` at the slot's rank and followed by at least :data:`TILE_PAD` readable finite elements. Both
+    are kept current by their owner (the pool), as is ``ranks`` (int32 ``[slots, nmod]``, 0 = no weights there: the
+    kernel never reads that slot's addresses). ``outs`` are the sub-modules' real widths, ``cols`` each one's first
+    column in the fused output; ``dtype`` the weights' (fp32 or bf16). The tables, and every buffer they point into,
+    must outlive this object.
     """
 
     def __init__(
         self,
-        A: torch.Tensor,
-        Bs: list[torch.Tensor],
-        outs: list[int],
+        in_dim: int,
+        dtype: torch.dtype,
+        a_tab: torch.Tensor,
+        b_tab: torch.Tensor,
         ranks: torch.Tensor,
+        outs: list[int],
         cols: list[int],
-        start: torch.Tensor,
     ) -> None:
-        n = len(Bs)
-        self._keep = (A, Bs, ranks, start)
-        self.in_dim = A.shape[1]
-        self.w_bf16 = int(A.dtype == torch.bfloat16)
-        self.b_ptrs = (ctypes.c_void_p * n)(*[b.data_ptr() for b in Bs])
+        n = len(outs)
+        self._keep = (a_tab, b_tab, ranks)
+        self.in_dim = in_dim
+        self.w_bf16 = int(dtype == torch.bfloat16)
         self.out_k = (ctypes.c_int64 * n)(*outs)
         self.col_k = (ctypes.c_int64 * n)(*cols)
-        # arguments 9-16 of the kernel's block (the arrays above are kept alive by this object)
+        # arguments 9-15 of the kernel's block (the arrays above are kept alive by this object)
         self.tail = (
-            A.data_ptr(), start.data_ptr(), self.w_bf16, n, ranks.data_ptr(),
-            ctypes.addressof(self.b_ptrs), ctypes.addressof(self.out_k), ctypes.addressof(self.col_k),
+            a_tab.data_ptr(), b_tab.data_ptr(), self.w_bf16, n, ranks.data_ptr(),
+            ctypes.addressof(self.out_k), ctypes.addressof(self.col_k),
         )  # fmt: skip
+
+    @classmethod
+    def over_arena(
+        cls, A: torch.Tensor, Bs: list[torch.Tensor], outs: list[int], ranks: torch.Tensor, cols: list[int], start
+    ) -> SgmvLayerArgs:
+        """Arguments for slots packed back to back in one arena per buffer: slot ``s`` takes rank rows from
+        ``start[s]`` (int64 ``[slots]``) in the fused shrink arena ``A`` ``[rows, in]`` and in the 1-D expand arenas
+        ``Bs`` (from element ``start[s] * b_row_elems(out_k)``); the address tables are computed here."""
+        nmod = len(Bs)
+        esz = A.element_size()
+        st = start.to(torch.int64)
+        a_tab = A.data_ptr() + st * (nmod * A.shape[1] * esz)
+        b_tab = torch.stack([b.data_ptr() + st * (b_row_elems(o) * esz) for b, o in zip(Bs, outs, strict=True)], 1)
+        la = cls(A.shape[1], A.dtype, a_tab.contiguous(), b_tab.contiguous(), ranks, outs, cols)
+        la._keep = (*la._keep, A, Bs)
+        return la
 
 
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
@@ -179,7 +196,7 @@ def _kernel_beats_torch(fn: ctypes._CFuncPtr, dtype: torch.dtype) -> tuple[bool,
     for b, pb, o in zip(bs, blocked, outs, strict=True):
         for s in range(n):
             pack_b(b[s].T, pb[s * r * b_row_elems(o) :])
-    la = SgmvLayerArgs(arena, blocked, list(outs), ranks, [0, outs[0], outs[0] + outs[1]], start)
+    la = SgmvLayerArgs.over_arena(arena, blocked, list(outs), ranks, [0, outs[0], outs[0] + outs[1]], start)
     seg = torch.tensor([[s, s * tm, (s + 1) * tm] for s in range(n)], dtype=torch.int64)
     tok = torch.arange(n * tm)
     u = torch.zeros(n * tm + 8, 3 * r)

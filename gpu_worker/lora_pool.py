@@ -26,7 +26,6 @@ from gpu_worker.lora_cache import CacheKey, HostWeightCache
 from gpu_worker.lora_kernel import (
     TILE_PAD,
     SgmvLayerArgs,
-    b_row_elems,
     choose_backend,
     pack_b,
     packed_elems,
@@ -78,6 +77,10 @@ class HostAdapter:
     path: str = ""
     rows: int = 0  # rank rows it takes in a slot (:func:`lora_rows` of its largest rank)
     runs: list[tuple[str, int, int, int]] = field(default_factory=list)
+    # read in place (the C kernel): rank rows per layer of each fused projection's shrink buffer, and packed
+    # elements per layer of each module's expand buffer (see LoraPool._kernel_layout)
+    a_rows: dict[str, int] = field(default_factory=dict)
+    b_elems: dict[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.rows = lora_rows(max(self.ranks.values(), default=0))
@@ -86,34 +89,39 @@ class HostAdapter:
 class LoraPool:
     """Slots and host tier of one TP rank.
 
-    Memory: ``--max-loras-per-batch`` x ``--max-lora-rank`` rank rows per layer and target module (as many
-    adapters at the largest rank), shared by adapters at their own rank: an adapter takes
-    :func:`lora_rows` (its largest rank, rounded up to :data:`LORA_RANK_UNIT`) consecutive rank rows, so twice
-    as many adapters of half the largest rank fit (S-LoRA's unified paging, arXiv 2311.03285, with rank rows as
-    pages). A *slot* is an entry of that arena: ``slot_start[s]`` (its first rank row) and ``slot_rows[s]``.
+    Where the C kernel serves (``--lora-backend cpu-sgmv``, CPUs), the device *is* host memory, so nothing is
+    copied: each host-tier adapter keeps its weights in the kernel's layout (:meth:`_kernel_layout`) and a slot is
+    only an entry of per-layer address tables (``a_tab``, ``b_tab``) pointing into them. A slot then costs no
+    memory and placing an adapter costs microseconds, so the pool has one per request a batch can hold
+    (``max(--max-loras-per-batch, --max-running-requests)`` adapters at ``--max-lora-rank``): LoRA never limits
+    how many adapters a CPU batch mixes, only the host tier (``--max-loaded-loras``) does.
+
+    Otherwise (the torch path, GPUs) slots are memory: ``--max-loras-per-batch`` x ``--max-lora-rank`` rank rows
+    per layer and target module (as many adapters at the largest rank), shared by adapters at their own rank: an
+    adapter takes :func:`lora_rows` (its largest rank, rounded up to :data:`LORA_RANK_UNIT`) consecutive rank rows,
+    so twice as many adapters of half the largest rank fit (S-LoRA's unified paging, arXiv 2311.03285, with rank
+    rows as pages). A *slot* is an entry of that arena: ``slot_start[s]`` (its first rank row) and ``slot_rows[s]``.
     When no gap is long enough but enough rows are free, the entries are compacted to the front (in place,
     keeping their slot numbers); the scheduler admits a batch only if its adapters' rows fit, so a batch always
     finds room.
 
     Device buffers per layer and target module: ``A [rows, in_local]`` (views of one fused arena per
     projection, rank-major: row ``(start + j) * nmod + k`` holds rank j of sub-module k, then 16 zero rows) and
-    ``B`` as ``[rows + 1, out_local]`` (scaling folded into B; the last row stays zero), or with the C kernel a
-    1-D arena where each slot's run is packed at its occupant's rank (see ``lora_kernel.pack_b``).
+    ``B`` as ``[rows + 1, out_local]`` (scaling folded into B; the last row stays zero).
     ``slot_rank[s][layer][module]`` is the rank the slot's occupant has there, 0 where it has no weights; a
     slot's rows past that rank are zero (written on placement), so nothing of a previous occupant can leak.
-    ``rank_tab[fused]`` holds the same ranks as int32 ``[layers, slots, sub-modules]`` and ``start_tab`` the
-    slots' first rows as int64, both for the kernel.
+    ``rank_tab[fused]`` holds the same ranks as int32 ``[layers, slots, sub-modules]``, for the kernel with
+    ``a_tab[fused]`` (int64 ``[layers, slots]``) and ``b_tab[fused]`` (int64 ``[layers, slots, sub-modules]``).
+    Read in place, rank rows are only bookkeeping (the same allocator, so the slot table, the eviction order and
+    the digest behave alike on every backend); no arena exists.
     """
 
     def __init__(
         self, args: ServerArgs, cfg: ModelConfig, plan: ShardPlan, dtype: torch.dtype, device: torch.device, group=None
     ) -> None:
         self.cfg, self.plan, self.dtype, self.device = cfg, plan, dtype, device
-        self.n_slots = args.max_loras_per_batch  # adapters at --max-lora-rank that fit (the memory budget)
         self.max_rank = args.max_lora_rank
         self.slot_size = lora_rows(self.max_rank)  # rank rows of one adapter at --max-lora-rank
-        self.capacity = self.n_slots * self.slot_size  # rank rows per arena
-        self.n_entries = self.capacity // LORA_RANK_UNIT  # most adapters resident at once
         self.policy = args.lora_eviction_policy
         if self.policy not in ("lru", "fifo"):
             raise ValueError(f"--lora-eviction-policy {self.policy!r}: choose lru or fifo")
@@ -122,13 +130,24 @@ class LoraPool:
         widest = max(self._local_dims(m)[0] for m in LLAMA_LORA_MODULES)
         self.sgmv, how = choose_backend(args.lora_backend, dtype, device, cache_root(), group, widest)
         log.info("LoRA backend on TP rank %d: %s", plan.rank, how)
-        # the kernel reads bf16 slots at full speed on any CPU; the torch path may need fp32 ones
-        self.slot_dtype = dtype if self.sgmv is not None else measure_slot_dtype(dtype, device, group)
+        self.in_place = self.sgmv is not None  # the kernel reads the host tier where it is (see the class doc)
+        # adapters at --max-lora-rank that fit: the memory budget, or (read in place) one per running request
+        self.n_slots = max(args.max_loras_per_batch, args.max_running_requests if self.in_place else 0)
+        if self.in_place and self.n_slots > args.max_loras_per_batch:
+            log.info(
+                "LoRA adapters are read in place from the host tier: a batch may mix up to %d of them "
+                "(--max-running-requests; --max-loras-per-batch %d bounds device slots where weights are copied)",
+                self.n_slots,
+                args.max_loras_per_batch,
+            )
+        self.capacity = self.n_slots * self.slot_size  # rank rows per arena
+        self.n_entries = self.capacity // LORA_RANK_UNIT  # most adapters resident at once
+        # the kernel reads bf16 weights at full speed on any CPU; the torch path may need fp32 slots
+        self.slot_dtype = dtype if self.in_place else measure_slot_dtype(dtype, device, group)
         self.host: dict[str, HostAdapter] = {}
         self.slot_uid: list[str | None] = [None] * self.n_entries
         self.slot_start = [0] * self.n_entries
         self.slot_rows = [0] * self.n_entries
-        self.start_tab = torch.zeros(self.n_entries, dtype=torch.int64)
         self.uid_slot: dict[str, int] = {}
         self.order: list[str] = []  # uids in slots, eviction order (first = next victim)
         self.local_dims = {m: self._local_dims(m) for m in LLAMA_LORA_MODULES}  # (in, out) on this rank
@@ -144,7 +163,7 @@ class LoraPool:
         self.A_all: dict[str, torch.Tensor] = {}
         self.B_all: dict[str, torch.Tensor] = {}
         for f, mods in self.fused_targets.items():
-            if not mods:
+            if not mods or self.in_place:
                 continue
             # 16 zero rows after each arena: AMX's 16-row shrink tiles may read past the last slot, and the
             # torch path's gathers read them for padding
@@ -158,7 +177,7 @@ class LoraPool:
         self.A_fused: list[dict[str, torch.Tensor]] = []
         self.A: list[dict[str, torch.Tensor]] = []  # views of A_fused: [capacity, in_local] per module
         self.B: list[dict[str, torch.Tensor]] = []
-        for layer in range(cfg.num_layers):
+        for layer in range(cfg.num_layers if self.A_all else 0):
             af_l, a_l, b_l = {}, {}, {}
             for f, mods in self.fused_targets.items():
                 if not mods:
@@ -177,53 +196,59 @@ class LoraPool:
             if mods
         }
         self.cols = {f: self._fused_cols(f) for f in self.rank_tab}
+        # read in place: per layer, the address of each slot's shrink rows and of each sub-module's expand weights
+        self.a_tab = {f: torch.zeros(cfg.num_layers, self.n_entries, dtype=torch.int64) for f in self.rank_tab}
+        self.b_tab = {f: torch.zeros(t.shape, dtype=torch.int64) for f, t in self.rank_tab.items()}
         self.sgmv_args: list[dict[str, SgmvLayerArgs]] = []
-        if self.sgmv is not None:
+        if self.in_place:
             for layer in range(cfg.num_layers):
                 self.sgmv_args.append(
                     {
                         f: SgmvLayerArgs(
-                            self.A_fused[layer][f],
-                            [self.B[layer][m] for m in self.fused_targets[f]],
-                            [self.local_dims[m][1] for m in self.fused_targets[f]],
+                            self.local_dims[self.fused_targets[f][0]][0],
+                            self.slot_dtype,
+                            self.a_tab[f][layer],
+                            self.b_tab[f][layer],
                             self.rank_tab[f][layer],
+                            [self.local_dims[m][1] for m in self.fused_targets[f]],
                             [c for _, _, c in self.cols[f]],
-                            self.start_tab,
                         )
                         for f in self.rank_tab
                     }
                 )
 
     def _b_shape(self, fout: int) -> tuple[int, ...]:
-        """An expand arena's shape: ``[capacity + 1, out]`` rank rows (the last one zero); for the C kernel one
-        flat run per slot, written by ``lora_kernel.pack_b`` at the occupant's rank (column blocks of all its
-        ranks), so a slot's weights stream from memory in one run whatever its rank is."""
-        if self.sgmv is None:
-            return (self.capacity + 1, fout)
-        return (self.capacity * b_row_elems(fout) + TILE_PAD,)
-
-    def _b_region(self, layer: int, m: str, start: int, n: int) -> torch.Tensor:
-        """Rank rows ``start .. start + n`` of ``m``'s expand arena (rows, or the kernel's elements)."""
-        b = self.B[layer][m]
-        if self.sgmv is None:
-            return b[start : start + n]
-        e = b_row_elems(self.local_dims[m][1])
-        return b[start * e : (start + n) * e]
+        """An expand arena's shape: ``[capacity + 1, out]`` rank rows (the last one zero)."""
+        return (self.capacity + 1, fout)
 
     def a_matrix(self, layer: int, m: str, s: int) -> torch.Tensor:
         """Slot ``s``'s shrink weights of ``m`` as ``[slot_rows[s], in_local]`` (rows past its rank zero)."""
-        return self.A[layer][m][self.slot_start[s] : self.slot_start[s] + self.slot_rows[s]]
+        if not self.in_place:
+            return self.A[layer][m][self.slot_start[s] : self.slot_start[s] + self.slot_rows[s]]
+        f = MODULE_FUSED[m]
+        mods = self.fused_targets[f]
+        out = torch.zeros(self.slot_rows[s], self.local_dims[m][0], dtype=self.slot_dtype)
+        ad = self.host.get(self.slot_uid[s] or "")
+        if ad is not None and f in ad.a_rows:
+            rows = ad.a_rows[f]
+            a = self._host_a(ad, f)[: self.cfg.num_layers * rows * len(mods)]
+            out[:rows] = a.view(self.cfg.num_layers, rows, len(mods), -1)[layer, :, mods.index(m)]
+        return out
 
     def b_matrix(self, layer: int, m: str, s: int) -> torch.Tensor:
         """Slot ``s``'s expand weights of ``m`` as ``[slot_rows[s], out_local]`` (scaling folded in), either layout.
 
-        For the kernel's packed layout, rows past the slot's rank are the rest of its region (zero unless
-        something of a previous occupant survived)."""
+        Read in place, rows past the slot's rank are the rest of that layer's packed region (zero unless something
+        else was written there)."""
         n = self.slot_rows[s]
-        b = self._b_region(layer, m, self.slot_start[s], n)
-        if self.sgmv is None:
-            return b
+        if not self.in_place:
+            return self.B[layer][m][self.slot_start[s] : self.slot_start[s] + n]
         fout, r = self.local_dims[m][1], self.slot_rank[s][layer][m]
+        ad = self.host.get(self.slot_uid[s] or "")
+        if ad is None or m not in ad.b_elems:
+            return torch.zeros(n, fout, dtype=self.slot_dtype)
+        k = ad.b_elems[m]
+        b = self._host_b(ad, m)[layer * k : (layer + 1) * k]
         used = unpack_b(b, fout, r)
         left = float(b[packed_elems(fout, r, b.dtype == torch.bfloat16) :].abs().sum())
         rest = torch.zeros(n - r, fout, dtype=b.dtype)
@@ -297,25 +322,69 @@ class LoraPool:
                 f"adapter at --max-lora-rank {self.max_rank} needs {self.slot_size})"
             )
         tp = (self.plan.rank, self.plan.tp_size)
+        runs = [(run.module, run.first, len(run.layers), run.r) for run in weights]
+        ad = HostAdapter(uid, name, pinned, ranks, content_hash, str(path), runs=runs)
         try:
-            for run in weights:
-                n = len(run.layers)
-                self.cache.put(CacheKey(uid, run.first, run.module, "A", *tp, n), run.a)
-                if self.sgmv is None:
+            if self.in_place:
+                self._kernel_layout(ad, weights)
+            else:
+                for run in weights:
+                    n = len(run.layers)
+                    self.cache.put(CacheKey(uid, run.first, run.module, "A", *tp, n), run.a)
                     self.cache.put(CacheKey(uid, run.first, run.module, "B", *tp, n), run.b)
-                else:  # packed once here, so placing it in a slot (every warm load) is one copy per run
-                    fout = run.b.shape[1]
-                    packed = torch.empty(n, packed_elems(fout, run.r, self.dtype == torch.bfloat16), dtype=run.b.dtype)
-                    pack_b(run.b, packed)
-                    self.cache.put(CacheKey(uid, run.first, run.module, "B32", *tp, n), packed)
         except Exception:
             self.cache.drop_uid(uid)
             raise
-        runs = [(run.module, run.first, len(run.layers), run.r) for run in weights]
-        self.host[uid] = HostAdapter(uid, name, pinned, ranks, content_hash, str(path), runs=runs)
+        self.host[uid] = ad
         if pinned:
             self._ensure_slot(uid, protected=())
         return content_hash
+
+    def _kernel_layout(self, ad: HostAdapter, weights: list) -> None:
+        """Keep ``ad``'s weights (``lora_weights.LoraRun``s) in the host tier in the layout the kernel reads in place.
+
+        Per fused projection ``f``, one shrink buffer ``[layers * rows * nmod + 16, in_local]``: layer ``l``'s rows
+        from ``l * rows * nmod``, row ``j * nmod + k`` = rank ``j`` of targeted sub-module ``k`` (zero past its rank),
+        ``rows`` the adapter's largest rank there; 16 zero rows end it (AMX reads whole tiles). Per module, one
+        expand buffer ``[layers * elems + TILE_PAD]``: layer ``l`` from ``l * elems``, packed by ``pack_b`` at that
+        layer's rank, ``elems`` the packed size at the module's largest rank, zeros after. Both go to the cache
+        (keys ``AF`` / ``BP`` over all layers), which checks shape and dtype on every later read.
+        """
+        tp = (self.plan.rank, self.plan.tp_size)
+        layers, bf16 = self.cfg.num_layers, self.slot_dtype == torch.bfloat16
+        for f, mods in self.fused_targets.items():
+            runs = [run for run in weights if MODULE_FUSED[run.module] == f]
+            if not runs:
+                continue
+            rows, fin = max(run.r for run in runs), self.local_dims[mods[0]][0]
+            a = torch.zeros(layers * rows * len(mods) + 16, fin, dtype=self.slot_dtype)
+            per = a[: layers * rows * len(mods)].view(layers, rows, len(mods), fin)
+            for run in runs:
+                per[run.first : run.first + len(run.layers), : run.r, mods.index(run.module)] = run.a
+            ad.a_rows[f] = rows
+            self.cache.put(CacheKey(ad.uid, 0, f, "AF", *tp, layers), a)
+        for m in sorted({run.module for run in weights}):
+            runs = [run for run in weights if run.module == m]
+            fout = self.local_dims[m][1]
+            k = packed_elems(fout, max(run.r for run in runs), bf16)
+            b = torch.zeros(layers * k + TILE_PAD, dtype=self.slot_dtype)
+            per_layer = b[: layers * k].view(layers, k)
+            for run in runs:
+                pack_b(run.b.to(self.slot_dtype), per_layer[run.first : run.first + len(run.layers)])
+            ad.b_elems[m] = k
+            self.cache.put(CacheKey(ad.uid, 0, m, "BP", *tp, layers), b)
+
+    def _host_a(self, ad: HostAdapter, f: str) -> torch.Tensor:
+        """``ad``'s in-place shrink buffer of fused projection ``f`` (see :meth:`_kernel_layout`)."""
+        shape = (self.cfg.num_layers * ad.a_rows[f] * len(self.fused_targets[f]) + 16, self.local_dims[FUSED[f][0]][0])
+        return self.cache.get(CacheKey(ad.uid, 0, f, "AF", self.plan.rank, self.plan.tp_size, self.cfg.num_layers),
+                              shape, self.slot_dtype)  # fmt: skip
+
+    def _host_b(self, ad: HostAdapter, m: str) -> torch.Tensor:
+        """``ad``'s in-place expand buffer of module ``m`` (see :meth:`_kernel_layout`)."""
+        shape = (self.cfg.num_layers * ad.b_elems[m] + TILE_PAD,)
+        return self.cache.get(CacheKey(ad.uid, 0, m, "BP", self.plan.rank, self.plan.tp_size, self.cfg.num_layers),
+                              shape, self.slot_dtype)  # fmt: skip
 
     def unload(self, uid: str) -> None:
         """Drop an adapter from its slot and the host tier (idempotent)."""
@@ -337,9 +406,8 @@ class LoraPool:
         for f, a in self.A_all.items():
             nmod = len(self.fused_targets[f])
             out.append(a[:, start * nmod : (start + n) * nmod])
-        for m, b in self.B_all.items():
-            e = 1 if self.sgmv is None else b_row_elems(self.local_dims[m][1])
-            out.append(b[:, start * e : (start + n) * e])
+        for b in self.B_all.values():
+            out.append(b[:, start : start + n])
         return out
 
     def _zero_region(self, start: int, n: int) -> None:
@@ -357,26 +425,41 @@ class LoraPool:
             tab[:, s] = torch.tensor(rows, dtype=torch.int32)
 
     def _clear_slot(self, s: int) -> None:
-        """Empty slot ``s``: its rows are zeroed and it holds no ranks."""
+        """Empty slot ``s``: its rows are zeroed (read in place: its addresses cleared) and it holds no ranks."""
         self._zero_region(self.slot_start[s], self.slot_rows[s])
         self._set_ranks(s, {})
+        for f in self.a_tab:
+            self.a_tab[f][:, s] = 0
+            self.b_tab[f][:, s] = 0
         self.slot_uid[s] = None
         self._place(s, 0, 0)
 
     def _place(self, s: int, start: int, rows: int) -> None:
-        """Slot ``s`` holds rank rows ``start .. start + rows`` (the kernel's copy of ``start`` too)."""
+        """Slot ``s`` holds rank rows ``start .. start + rows``."""
         self.slot_start[s], self.slot_rows[s] = start, rows
-        self.start_tab[s] = start
 
     def _write_slot(self, s: int, uid: str) -> None:
         """Copy ``uid``'s shards into slot ``s`` (placed, rows zeroed); modules it lacks get rank 0.
 
-        One copy per run of layers for A and one for B (typically two per target module), not per layer."""
+        One copy per run of layers for A and one for B (typically two per target module), not per layer. Read in
+        place, nothing is copied: the slot's address tables point at the host tier's buffers."""
         ad = self.host[uid]
         tp = (self.plan.rank, self.plan.tp_size)
         nb = self.device.type == "cuda"
         start = self.slot_start[s]
         self._set_ranks(s, ad.ranks)
+        if self.in_place:
+            layer = torch.arange(self.cfg.num_layers, dtype=torch.int64)
+            esz = torch.empty((), dtype=self.slot_dtype).element_size()
+            for f, mods in self.fused_targets.items():
+                if f not in ad.a_rows:
+                    continue
+                a = self._host_a(ad, f)
+                self.a_tab[f][:, s] = a.data_ptr() + layer * (ad.a_rows[f] * len(mods) * a.shape[1] * esz)
+                for k, m in enumerate(mods):
+                    if m in ad.b_elems:
+                        self.b_tab[f][:, s, k] = self._host_b(ad, m).data_ptr() + layer * (ad.b_elems[m] * esz)
+            return
         for m, first, n, r in ad.runs:
             fin, fout = self._local_dims(m)
             f = MODULE_FUSED[m]
@@ -384,15 +467,8 @@ class LoraPool:
             a = self.cache.get(CacheKey(uid, first, m, "A", *tp, n), (n, r, fin), self.dtype)
             arena = self.A_all[f][first : first + n, : self.capacity * len(mods)]
             arena.view(n, self.capacity, len(mods), fin)[:, start : start + r, mods.index(m)].copy_(a, non_blocking=nb)
-            b_all = self.B_all[m][first : first + n]
-            if self.sgmv is None:
-                b = self.cache.get(CacheKey(uid, first, m, "B", *tp, n), (n, fout, r), self.dtype)
-                b_all[:, start : start + r].copy_(b.transpose(1, 2), non_blocking=nb)
-            else:  # packed at rank r at load (see _b_shape)
-                k = packed_elems(fout, r, self.dtype == torch.bfloat16)
-                e = b_row_elems(fout)
-                b = self.cache.get(CacheKey(uid, first, m, "B32", *tp, n), (n, k), self.dtype)
-                b_all[:, start * e : start * e + k].copy_(b, non_blocking=nb)
+            b = self.cache.get(CacheKey(uid, first, m, "B", *tp, n), (n, fout, r), self.dtype)
+            self.B_all[m][first : first + n, start : start + r].copy_(b.transpose(1, 2), non_blocking=nb)
 
     def _gap(self, need: int) -> int | None:
         """First rank row of the lowest gap of ``need`` free rows, or None."""

@@ -230,6 +230,7 @@ class Worker:
             loaded_uids=[] if self.lora is None else self.lora.host_uids(),
             epoch=self.epoch,
             adapters=[] if self.lora is None else self.lora.host_adapters(),
+            lora_rows=0 if self.lora is None else self.lora.capacity,
         )
 
     def build_inputs(self, fb: ForwardBatch) -> StepInputs:

@@ -463,7 +463,8 @@ ToWorkerMsg = Union[ForwardBatch, WorkerLoraLoad, WorkerLoraUnload, WorkerShutdo
 
 class WorkerReady(msgspec.Struct, tag=True):
     """A worker rank is up: its KV capacity (tokens), a fresh incarnation id (new at every start), the TP group
-    ``epoch`` the launcher started it in (every group restart increments it) and the adapter uids it holds."""
+    ``epoch`` the launcher started it in (every group restart increments it), the adapter uids it holds and its
+    LoRA pool's size in rank rows (0: LoRA off)."""
 
     rank: int
     incarnation: str
@@ -471,6 +472,7 @@ class WorkerReady(msgspec.Struct, tag=True):
     loaded_uids: list[str] = []
     epoch: int = 1
     adapters: list[AdapterState] = []  # the host tier's adapters, sorted by uid (a scheduler restart reads them)
+    lora_rows: int = 0
 
 
 class RowLogprobs(msgspec.Struct, array_like=True):

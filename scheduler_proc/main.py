@@ -177,6 +177,7 @@ class SchedulerLoop:
             special_tokens={i: t.content for i, t in tok.get_added_tokens_decoder().items() if t.special},
             max_loras_per_batch=self.args.max_loras_per_batch,
             max_lora_rank=self.args.max_lora_rank,
+            lora_pool_rows=min(r.lora_rows for r in self.ready.values()),
             enable_prefix_cache=not self.args.disable_radix_cache,
             chunked_prefill_size=self.args.chunked_prefill_size,
             max_prefill_tokens=self.args.max_prefill_tokens,

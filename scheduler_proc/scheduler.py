@@ -168,7 +168,8 @@ class Scheduler:
             ``max_lora_rank``, i.e. that many times ``lora_rows(max_lora_rank)`` rank rows, which adapters share at
             their own rank: a batch's distinct adapters, plus the pinned ones, must fit in those rows.
             ``adapter_rows`` (uid -> rows, from the workers' load acks) gives each adapter's need; an adapter
-            missing there counts a whole slot.
+            missing there counts a whole slot. ``lora_pool_rows``, when given, is the pools' real size in rank rows
+            (the workers' READY: a pool that reads adapters in place has one slot per running request).
         enable_prefix_cache: keep finished and prefilled KV in a radix tree keyed by (adapter uid, token ids)
             and reuse it for requests that start the same way (``--disable-radix-cache`` turns it off; off by
             default here so a bare ``Scheduler`` frees every slot when idle).
@@ -192,6 +193,7 @@ class Scheduler:
         special_tokens: Mapping[int, str] | None = None,
         max_loras_per_batch: int = 8,
         max_lora_rank: int = 64,
+        lora_pool_rows: int = 0,
         starvation_steps: int = 64,
         enable_prefix_cache: bool = False,
         chunked_prefill_size: int = 0,
@@ -206,7 +208,7 @@ class Scheduler:
         self.special_tokens: dict[int, str] = dict(special_tokens or {})
         self.max_loras_per_batch = max_loras_per_batch
         self.slot_size = lora_rows(max_lora_rank)  # rank rows of one adapter at the largest rank
-        self.lora_rows_total = max_loras_per_batch * self.slot_size
+        self.lora_rows_total = lora_pool_rows or max_loras_per_batch * self.slot_size
         self.adapter_rows: dict[str, int] = {}
         self.starvation_steps = starvation_steps
         self.pinned_uids: set[str] = set()

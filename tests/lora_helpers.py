@@ -149,13 +149,16 @@ def tiny_pool(
     backend: str = "auto",
 ):
     """An in-process :class:`LoraPool` over the tiny config (CPU, ``dtype``, fp32 by default; ``backend`` is
-    ``--lora-backend``; the test is skipped for cpu-sgmv on a machine without a C compiler)."""
+    ``--lora-backend``; the test is skipped for cpu-sgmv on a machine without a C compiler). ``slots`` slots on
+    every backend: ``--max-running-requests`` is ``slots`` too, so a pool that reads adapters in place (one slot
+    per running request) has as many."""
     from gpu_worker.lora_pool import LoraPool
     from gpu_worker.tp_plan import plan_for_model
 
     args = server_args(
         enable_lora=True,
         max_loras_per_batch=slots,
+        max_running_requests=slots,
         max_lora_rank=max_rank,
         lora_eviction_policy=policy,
         lora_target_modules=list(targets or ALL),

@@ -61,7 +61,7 @@ def test_rewriting_the_file_after_load_changes_nothing(tmp_path):
     pool = tiny_pool(slots=1)
     pool.load("u", "a", str(folder))
     pool.assign(["u"])
-    before = {m: pool.A[0][m][0].clone() for m in pool.targets}
+    before = {m: pool.a_matrix(0, m, pool.table()["u"])[0].clone() for m in pool.targets}
     other = write_adapter(tmp_path / "b", r=4, seed=99)
     # rewrite in place (same inode), as save_pretrained/shutil.copy would, then truncate to garbage
     (folder / "adapter_model.safetensors").write_bytes((other / "adapter_model.safetensors").read_bytes())
@@ -70,4 +70,4 @@ def test_rewriting_the_file_after_load_changes_nothing(tmp_path):
     pool.assign(["v"])  # evicts u
     pool.assign(["u"])  # refills u's slot from the host copy, not from the (now garbage) file
     for m in pool.targets:
-        assert torch.equal(pool.A[0][m][0], before[m])
+        assert torch.equal(pool.a_matrix(0, m, pool.table()["u"])[0], before[m])

@@ -70,7 +70,7 @@ def _case(seed: int, in_dim: int, outs: list[int], n_slots: int, max_rank: int, 
             assert torch.equal(unpack_b(region, o, r), bm)
             plain[s, k] = (am.double(), bm.double())
     cols = [sum(outs[:k]) for k in range(nmod)]
-    return SgmvLayerArgs(a, bs, outs, ranks, cols, start), plain, cols
+    return SgmvLayerArgs.over_arena(a, bs, outs, ranks, cols, start), plain, cols
 
 
 @pytest.mark.parametrize(

@@ -8,7 +8,7 @@ import re
 
 import pytest
 import torch
-from lora_helpers import TINY, tiny_pool, write_adapter
+from lora_helpers import ALL, TINY, server_args, skip_without_kernel, tiny_pool, write_adapter
 
 from gpu_worker.lora_cache import CacheKey, HostWeightCache, LoraCacheCollision
 from gpu_worker.lora_pool import LoraPoolError
@@ -75,8 +75,9 @@ def test_free_slots_are_taken_lowest_first_and_base_needs_none(adapters):
     assert pool.prepare([None, None], [3, 1]) is None  # base-only batch: no LoRA work at all
 
 
-def test_unload_frees_slot_and_host_tier(adapters):
-    pool = tiny_pool(slots=2, max_rank=4)
+@pytest.mark.parametrize("backend", ["torch", "cpu-sgmv"])
+def test_unload_frees_slot_and_host_tier(adapters, backend):
+    pool = tiny_pool(slots=2, max_rank=4, backend=backend)
     load(pool, adapters, "u0", "u1")
     pool.assign(["u0", "u1"])
     n_before = len(pool.cache)
@@ -84,7 +85,11 @@ def test_unload_frees_slot_and_host_tier(adapters):
     assert pool.table() == {"u1": 1}
     assert "u0" not in pool.host and len(pool.cache) < n_before
     assert all(pool.slot_rank[0][layer][m] == 0 for layer in range(TINY.num_layers) for m in pool.targets)
-    assert all(float(pool.A[layer][m][:4].abs().sum()) == 0 for layer in range(TINY.num_layers) for m in pool.targets)
+    if pool.in_place:  # the kernel can no longer reach u0's freed buffers through slot 0
+        assert all(int(t[:, 0].abs().sum()) == 0 for tab in (pool.a_tab, pool.b_tab) for t in tab.values())
+    else:
+        layers = range(TINY.num_layers)
+        assert all(float(pool.A[layer][m][:4].abs().sum()) == 0 for layer in layers for m in pool.targets)
     with pytest.raises(LoraPoolError, match="uid u0 is not loaded on TP rank 0"):
         pool.assign(["u0"])
     pool.unload("u0")  # idempotent
@@ -372,7 +377,7 @@ def test_cache_collision_on_shape_and_dtype():
 
 
 def test_pool_slot_write_checks_cached_shape(adapters):
-    pool = tiny_pool(slots=2)
+    pool = tiny_pool(slots=2, backend="torch")
     load(pool, adapters, "u0")
     runs = pool.host["u0"].runs
     i = next(i for i, run in enumerate(runs) if run[0] == "q_proj")
@@ -381,6 +386,38 @@ def test_pool_slot_write_checks_cached_shape(adapters):
     runs[i] = (m, first, n, 3)  # a bookkeeping bug: the cache holds rank 4
     with pytest.raises(LoraCacheCollision, match=r"collision for \(u0, layers 0-1, q_proj\.lora_A, tp 0/1\)"):
         pool.assign(["u0"])
+
+
+def test_in_place_slot_checks_cached_shape(adapters):
+    """Read in place, a slot's addresses come from cache entries checked against the shape the bookkeeping expects."""
+    pool = tiny_pool(slots=2, backend="cpu-sgmv")
+    load(pool, adapters, "u0")
+    assert pool.in_place and pool.A_all == {}  # no arena: the host tier is what the kernel reads
+    pool.host["u0"].a_rows["qkv"] = 3  # a bookkeeping bug: the cache holds rank 4
+    with pytest.raises(LoraCacheCollision, match=r"collision for \(u0, layers 0-1, qkv\.lora_AF, tp 0/1\)"):
+        pool.assign(["u0"])
+
+
+def test_in_place_pool_has_a_slot_per_running_request(adapters):
+    """Read in place, slots cost no memory: one per running request, whatever --max-loras-per-batch says; the torch
+    path keeps --max-loras-per-batch slots."""
+    from gpu_worker.lora_pool import LoraPool
+    from gpu_worker.tp_plan import plan_for_model
+
+    skip_without_kernel()
+    plan = plan_for_model(TINY, 1, 0)
+    for backend, slots in (("cpu-sgmv", 5), ("torch", 2)):
+        args = server_args(enable_lora=True, max_loras_per_batch=2, max_running_requests=5, max_lora_rank=4,
+                           lora_target_modules=list(ALL), lora_backend=backend)  # fmt: skip
+        pool = LoraPool(args, TINY, plan, torch.float32, torch.device("cpu"))
+        assert pool.n_slots == slots
+        names = [f"u{i}" for i in range(5)]
+        load(pool, adapters, *names)
+        if backend == "cpu-sgmv":  # five adapters in one batch, nothing evicted
+            assert pool.assign(names) == [0, 1, 2, 3, 4]
+        else:
+            with pytest.raises(LoraPoolError, match="batch needs 5 adapters"):
+                pool.assign(names)
 
 
 # ----------------------------------------------------------------------------- load refusals (tiny)

@@ -511,9 +511,6 @@ static void expand_block_bf(const uint16_t* ub, int64_t r, const uint32_t* blk, 
 }
 #endif
 
-/* elements of B per rank row of the arena: one rank of every column block */
-static inline int64_t bstep(int64_t out_k) { return (out_k + BC - 1) / BC * BC; }
-
 /* elements of one column block of B at rank r (bf16: whole rank pairs) */
 static inline int64_t blk_elems(int64_t r, int w_bf16) { return (w_bf16 ? (r + 1) / 2 * 2 : r) * BC; }
 
@@ -600,17 +597,17 @@ static void expand_amx(const uint16_t* ut, int64_t r, const uint16_t* b, int nt,
 /* Returns 0, or -1 when in_dim is over the kernel's row buffers (the caller then uses its torch path).
  * tok: the LoRA tokens' rows of x/out, grouped by slot; seg: nseg x (slot, p0, p1), positions into tok.
  * ranks: [slots, nmod] int32 of this layer (0 = the slot has no weights there).
- * Slots are entries of one arena per buffer, placed by their first rank row start[s] (S-LoRA's unified paging:
- * an adapter takes rank rows at its own rank, not at the largest one):
- * A: rows [start[s] * nmod, ...) of an [arena_rows, in_dim] buffer, row j * nmod + k = rank j of sub-module k;
- * 16 rows must exist past every entry's last row (AMX's whole tiles read them and discard the result).
- * B[k]: slot s at B[k] + start[s] * ceil(out_k[k] / 32) * 32 elements, packed at its rank r = ranks[s][k] in column
- * blocks of 32 (zero past out_k[k]): fp32 [blocks][r][32], bf16 [blocks][ceil(r / 2)][32][2] (start[s] even),
- * the arena followed by a zero pad.
+ * Each slot's weights are found through two address tables, so they may live in one arena (S-LoRA's unified
+ * paging) or in each adapter's own host buffers (read in place):
+ * a_tab[s]: the slot's shrink rows [rows, in_dim], row j * nmod + k = rank j of sub-module k, zero past each
+ * sub-module's rank; 16 readable rows must follow its last one (AMX's whole tiles read them and discard the result).
+ * b_tab[s * nmod + k]: sub-module k's expand weights, packed at rank r = ranks[s][k] in column blocks of 32 (zero
+ * past out_k[k]): fp32 [blocks][r][32], bf16 [blocks][ceil(r / 2)][32][2], followed by readable finite values
+ * (AMX's tiles read past the last rank pair and multiply them by zero u).
  * u: fp32 scratch [len(tok) + 8][u_stride >= largest rank * nmod], module-major rows, rows past len(tok) zero. */
 static int lora_sgmv(int64_t in_dim, const void* x, int x_bf16, void* out, int64_t out_stride, int out_bf16,
-                     const int64_t* tok, int64_t nseg, const int64_t* seg, const void* A, const int64_t* start,
-                     int w_bf16, int64_t nmod, const int32_t* ranks, const void* const* B,
+                     const int64_t* tok, int64_t nseg, const int64_t* seg, const int64_t* a_tab, const int64_t* b_tab,
+                     int w_bf16, int64_t nmod, const int32_t* ranks,
                      const int64_t* out_k, const int64_t* col_k, float* u, int64_t u_stride) {
     if (in_dim > MAXIN) return -1;
     if (nseg == 0) return 0; /* no adapter rows: skip the threads' fork and join */
@@ -644,7 +641,7 @@ static int lora_sgmv(int64_t in_dim, const void* x, int x_bf16, void* out, int64
                 int64_t pa = p0 + rest / nj * TBA, jb = rest % nj * 16;
                 int nt = (int)((p1 - pa) < TBA ? (p1 - pa) : TBA);
                 if (pa != xf_p0 || nt != xf_nt) load_xv(x, in_dim, tok + pa, nt, (uint32_t*)xf), xf_p0 = pa, xf_nt = nt;
-                const uint16_t* a = (const uint16_t*)A + start[s] * nmod * in_dim;
+                const uint16_t* a = (const uint16_t*)a_tab[s];
                 shrink_amx((const uint32_t*)xf, nt, a, in_dim, jb, jb + 16 < rows ? jb + 16 : rows, u, u_stride, pa, nmod);
             }
         } else
@@ -655,7 +652,7 @@ static int lora_sgmv(int64_t in_dim, const void* x, int x_bf16, void* out, int64
                 int64_t s = seg[3 * g], p0 = seg[3 * g + 1], p1 = seg[3 * g + 2], rmax = seg_rmax(s, ranks, nmod);
                 if (!rmax) continue;
                 int64_t rows = rmax * nmod, nj = (rows + JB - 1) / JB, ntb = (p1 - p0 + TB - 1) / TB;
-                const char* a = (const char*)A + start[s] * nmod * in_dim * esz;
+                const char* a = (const char*)a_tab[s];
 #ifdef _OPENMP
 #pragma omp for schedule(static) nowait
 #endif
@@ -698,7 +695,7 @@ static int lora_sgmv(int64_t in_dim, const void* x, int x_bf16, void* out, int64
                 int64_t r = ranks[s * nmod + k], nct = (out_k[k] + BC - 1) / BC;
                 int64_t pa = p0 + rest / nct * TBA, ct = rest % nct;
                 int nt = (int)((p1 - pa) < TBA ? (p1 - pa) : TBA);
-                const uint16_t* b = (const uint16_t*)B[k] + start[s] * bstep(out_k[k]) + ct * blk_elems(r, 1);
+                const uint16_t* b = (const uint16_t*)b_tab[s * nmod + k] + ct * blk_elems(r, 1);
                 if (g != ut_g || k != ut_k || pa != ut_p) {
                     build_ut(u + pa * u_stride + k * (u_stride / nmod), u_stride, r, nt, (uint16_t*)xf);
                     ut_g = g, ut_k = k, ut_p = pa;
@@ -722,7 +719,7 @@ static int lora_sgmv(int64_t in_dim, const void* x, int x_bf16, void* out, int64
                     int64_t r = ranks[s * nmod + k];
                     if (!r) continue;
                     int64_t nc = (out_k[k] + BC - 1) / BC;
-                    const char* b = (const char*)B[k] + start[s] * bstep(out_k[k]) * esz;
+                    const char* b = (const char*)b_tab[s * nmod + k];
 #if HAVE_BF16_DOT
                     const int bfx = w_bf16 && out_bf16 && r <= MAXRANK; /* a bf16 model: u in bf16 loses nothing */
 #endif
@@ -754,11 +751,10 @@ static int lora_sgmv(int64_t in_dim, const void* x, int x_bf16, void* out, int64
     return 0;
 }
 
-/* The entry point: the arguments of lora_sgmv above as one block of 19 int64 (pointers and flags as integers, in
- * that order), because ctypes spends ~5 us per call converting 19 separate arguments and a step makes 120 calls. */
+/* The entry point: the arguments of lora_sgmv above as one block of 18 int64 (pointers and flags as integers, in
+ * that order), because ctypes spends ~5 us per call converting 18 separate arguments and a step makes 120 calls. */
 int loom_lora_sgmv(const int64_t* a) {
     return lora_sgmv(a[0], (const void*)a[1], (int)a[2], (void*)a[3], a[4], (int)a[5], (const int64_t*)a[6], a[7],
-                     (const int64_t*)a[8], (const void*)a[9], (const int64_t*)a[10], (int)a[11], a[12],
-                     (const int32_t*)a[13], (const void* const*)a[14], (const int64_t*)a[15], (const int64_t*)a[16],
-                     (float*)a[17], a[18]);
+                     (const int64_t*)a[8], (const int64_t*)a[9], (const int64_t*)a[10], (int)a[11], a[12],
+                     (const int32_t*)a[13], (const int64_t*)a[14], (const int64_t*)a[15], (float*)a[16], a[17]);
 }
