@@ -27,10 +27,11 @@ it from disk (on Linux, usually from the page cache: the files were just written
    warm-up of ``--concurrency`` x 2 requests of its own traffic. Prints tokens/s, the ratio many / few (the
    goal is >= 0.90), TTFT and end-to-end percentiles, and how many reloads from disk and host-tier evictions
    the cluster log shows during each run. ``in flight`` is the mean number of distinct adapters among the
-   requests in flight: above ``--max-loras-per-batch``, some requests must wait for a slot whatever the speed
-   of loading.
+   requests in flight: where slots are copies (the torch path, GPUs) and it is above what they hold, some
+   requests must wait for a slot whatever the speed of loading; where the C kernel reads adapters in place
+   (CPUs) the pool has a slot per running request (the ``LoRA pool:`` line says which).
 
-The pools hold ``--max-loras-per-batch`` x ``--max-lora-rank`` rank rows, which adapters share at their own
+Copied slots hold ``--max-loras-per-batch`` x ``--max-lora-rank`` rank rows, which adapters share at their own
 rank (``--max-lora-rank`` defaults to the largest of ``--ranks``: 8 slots then hold about 10 adapters of ranks
 8-16; a server sized for rank 64 holds about 40 of them in the same 8 slots).
 """
@@ -216,11 +217,22 @@ def ms(xs: list[float], q: float = 0.5) -> str:
     return f"{quantile(xs, q) * 1000:8.1f}" if xs else f"{'-':>8}"
 
 
-def report(a: argparse.Namespace, reg: list[float], probes: dict[str, list[float]], few: RunStats, many: RunStats):
+def pool_line(log_text: str) -> str:
+    """How the workers' LoRA pools hold adapters, from the cluster log: read in place (how many a batch may mix)
+    or copied into ``--max-loras-per-batch`` slots, and the backend line."""
+    backend = re.search(r"LoRA backend on TP rank 0: (.*)", log_text)
+    in_place = re.search(r"LoRA adapters are read in place from the host tier: a batch may mix up to (\d+)", log_text)
+    how = f"read in place, up to {in_place.group(1)} adapters per batch" if in_place else "copied into slots"
+    return f"LoRA pool: {how}; backend {backend.group(1) if backend else '?'}"
+
+
+def report(
+    a: argparse.Namespace, reg: list[float], probes: dict[str, list[float]], few: RunStats, many: RunStats, pool: str
+):
     print(
         f"\ntraffic: {a.requests} requests, {a.prompt_tokens}-token prompts, {a.new_tokens} new tokens, "
         f"{a.concurrency} in flight, Zipf alpha {a.zipf_alpha:g}; --max-loras-per-batch {a.max_loras_per_batch}, "
-        f"--max-lora-rank {a.max_lora_rank}, --max-loaded-loras {a.max_loaded_loras}"
+        f"--max-lora-rank {a.max_lora_rank}, --max-loaded-loras {a.max_loaded_loras}\n{pool}"
     )
     print(
         f"{'':<16}{'adapters':>9}{'distinct':>9}{'in flight':>10}{'reloads':>8}{'evicts':>7}{'tok/s':>9}{'ratio':>7}"
@@ -324,7 +336,8 @@ def main() -> None:
             st.reloads, st.evictions = r1 - r0, e1 - e0
             print(f"  {n} adapters: {st.tps:.1f} tok/s, {st.distinct} distinct, {st.reloads} reloads", flush=True)
             runs.append(st)
-    report(a, reg, probes, *runs)
+        pool = pool_line(cluster.log_path.read_text(errors="replace"))
+    report(a, reg, probes, *runs, pool)
     print(f"load average at the end: {loadavg()}")
 
 
