@@ -68,10 +68,22 @@ log = logging.getLogger("launch")
 
 
 def parse_lora_path(value: str) -> LoraSpec:
-    """``NAME=PATH``, a bare ``PATH`` (name = folder name) or JSON ``{"lora_name", "lora_path", "pinned"}``."""
+    """``NAME=PATH``, a bare ``PATH`` (name = folder name) or JSON ``{"lora_name", "lora_path", "pinned"}``.
+
+    Raises:
+        argparse.ArgumentTypeError: JSON that does not parse or lacks ``lora_name`` / ``lora_path`` (argparse
+            then exits 2 naming ``--lora-paths`` and the value).
+    """
     v = value.strip()
     if v.startswith("{"):
-        d = json.loads(v)
+        try:
+            d = json.loads(v)
+        except json.JSONDecodeError as e:
+            raise argparse.ArgumentTypeError(f"{value!r} is not valid JSON ({e})") from None
+        if not isinstance(d, dict) or not all(isinstance(d.get(k), str) for k in ("lora_name", "lora_path")):
+            raise argparse.ArgumentTypeError(
+                f"{value!r}: the JSON form needs string fields lora_name and lora_path (and optionally pinned)"
+            )
         return LoraSpec(name=d["lora_name"], path=d["lora_path"], pinned=bool(d.get("pinned", False)))
     if "=" in v:
         name, path = v.split("=", 1)
@@ -276,6 +288,8 @@ def to_server_args(ns: argparse.Namespace) -> ServerArgs:
     """Resolve the model (converting a GGUF once) and build the config tree every process gets."""
     served_as_given = ns.served_model_name or ns.model_path or DEFAULT_SERVED_MODEL_NAME
     check_sizes(ns)
+    if ns.lora_paths and not ns.enable_lora:
+        raise FlagError("--lora-paths needs --enable-lora")
     absolute_paths(ns)
     model_dir = resolve_model_path(ns.model_path)
     cfg = load_model_config(model_dir)  # unsupported configs fail here, before any process starts
@@ -288,16 +302,14 @@ def to_server_args(ns: argparse.Namespace) -> ServerArgs:
     if ns.zmq_endpoint.startswith("ipc://"):
         check_front_free(ns.zmq_endpoint)
     rank, targets = infer_lora_defaults(ns) if ns.enable_lora else (ns.max_lora_rank or 64, ns.lora_target_modules)
-    if ns.lora_paths and not ns.enable_lora:
-        raise SystemExit("--lora-paths needs --enable-lora")
     served = served_as_given  # the model id clients name: the path as the user wrote it
     seen: set[str] = set()
     for spec in ns.lora_paths or []:
         problem = adapter_name_problem(spec.name, served)  # fail before any process starts
         if problem:
-            raise SystemExit(f"--lora-paths: {problem}")
+            raise FlagError(f"--lora-paths: {problem}")
         if spec.name in seen:
-            raise SystemExit(f"--lora-paths: the name {spec.name!r} is given twice")
+            raise FlagError(f"--lora-paths: the name {spec.name!r} is given twice")
         seen.add(spec.name)
     return ServerArgs(
         model_path=str(model_dir),

@@ -129,8 +129,9 @@ def load_int4_kernel(cache_dir: Path, isa: str) -> ctypes._CFuncPtr | None:  # t
     AMX, the OS) does not have that ISA."""
     lib, note = load_library(SOURCE, cache_dir)
     if lib is None:
+        if LOAD_NOTES.get(cache_dir) != note:  # once, not once per ISA tried: the library serves them all
+            log.info("4-bit batch kernels unavailable: %s", note)
         LOAD_NOTES[cache_dir] = note
-        log.info("4-bit batch kernel unavailable: %s", note)
         return None
     block = torch_int4_block()
     if block == 0 or (isa != "AVX2-FMA" and block != 64):

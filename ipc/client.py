@@ -243,8 +243,17 @@ class _ClientBase:
 
     def _encode(self, msg: Any) -> bytes:
         """``msg`` as a frame. Raises LoomError (bad_request) over ``MAX_FRAME_BYTES``, which the server's socket
-        would refuse by closing the connection."""
-        frame = self.out.encode(msg)
+        would refuse by closing the connection, or for text UTF-8 cannot encode (a lone surrogate)."""
+        try:
+            frame = self.out.encode(msg)
+        except UnicodeEncodeError as e:
+            bad = e.object[e.start : e.end] if isinstance(e.object, str) else ""
+            raise LoomError(
+                f"the request holds text that is not valid Unicode: a lone surrogate "
+                f"({', '.join(f'U+{ord(c):04X}' for c in bad)} at position {e.start}), which UTF-8 cannot encode",
+                "bad_request",
+                getattr(msg, "rid", "") or "",
+            ) from None
         if len(frame) > MAX_FRAME_BYTES:
             raise LoomError(
                 f"the request is {len(frame)} bytes; the server takes at most {MAX_FRAME_BYTES} bytes per request",

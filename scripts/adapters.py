@@ -27,13 +27,18 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--endpoint", default=DEFAULT_ENDPOINT)
     p.add_argument("--json", action="store_true")
+    # the same options after the sub-command too (``adapters.py list --endpoint ...``); SUPPRESS keeps the value
+    # given before it when they are not repeated
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--endpoint", default=argparse.SUPPRESS, help=f"the cluster (default {DEFAULT_ENDPOINT})")
+    common.add_argument("--json", action="store_true", default=argparse.SUPPRESS, help="print JSON")
     sub = p.add_subparsers(dest="cmd", required=True)
-    sub.add_parser("list", help="name, uid, path, rank, pinned and slots per TP rank")
-    ld = sub.add_parser("load", help="load a PEFT adapter folder")
+    sub.add_parser("list", parents=[common], help="name, uid, path, rank, pinned and slots per TP rank")
+    ld = sub.add_parser("load", parents=[common], help="load a PEFT adapter folder")
     ld.add_argument("name")
     ld.add_argument("path")
     ld.add_argument("--pinned", action="store_true")
-    ul = sub.add_parser("unload", help="unload an adapter")
+    ul = sub.add_parser("unload", parents=[common], help="unload an adapter")
     ul.add_argument("name")
     a = p.parse_args(argv)
     with LoomClient(a.endpoint, timeout_s=600) as c:

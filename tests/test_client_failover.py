@@ -205,6 +205,23 @@ def test_never_there_sync_fails_within_3s(sock_dir, which, sp):
     assert not list(sock_dir.iterdir())
 
 
+def test_text_utf8_cannot_encode_is_a_bad_request_before_anything_is_sent(sock_dir):
+    """A lone surrogate (e.g. half of an emoji cut from a UTF-16 source) used to escape as UnicodeEncodeError."""
+    endpoint = _dead_endpoints(sock_dir)[0]
+    with LoomClient(endpoint, timeout_s=60) as c:
+        with pytest.raises(LoomError) as e:
+            c.generate("ab\ud83d", sampling_params=GREEDY)
+        assert e.value.kind == "bad_request" and "lone surrogate (U+D83D at position 2)" in e.value.message
+
+    async def scenario() -> None:
+        async with AsyncLoomClient(endpoint, timeout_s=60) as c:
+            with pytest.raises(LoomError, match="not valid Unicode"):
+                await c.generate("\udfff", sampling_params=GREEDY)
+
+    asyncio.run(scenario())
+    assert not list(sock_dir.iterdir())
+
+
 @pytest.mark.parametrize("which", [0, 1], ids=["ipc", "tcp"])
 def test_never_there_async_fails_within_3s(sock_dir, which):
     endpoint = _dead_endpoints(sock_dir)[which]

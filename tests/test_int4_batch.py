@@ -192,3 +192,17 @@ def test_a_packing_no_kernel_reads_refuses_every_kernel(tmp_path):
     cap, block, none, note = out.stdout.strip().split(" ", 3)
     assert cap == "DEFAULT" and block == "0" and none == "True", out.stdout
     assert "no C compiler" in note or "layout Loom does not know" in note or "has neither" in note, note
+
+
+def test_a_library_that_does_not_build_is_reported_once_not_per_isa(tmp_path, monkeypatch, caplog):
+    """Every ISA's kernel lives in the one library: its failure used to be logged once per ISA tried."""
+    import logging
+
+    import gpu_worker.int4_batch as ib
+
+    monkeypatch.setattr(ib, "load_library", lambda source, cache_dir: (None, "no C compiler (cc not found)"))
+    with caplog.at_level(logging.INFO, logger=ib.log.name):
+        assert all(ib.load_int4_kernel(tmp_path, isa) is None for isa in ib.ISAS)
+    lines = [r.getMessage() for r in caplog.records if "unavailable" in r.getMessage()]
+    assert lines == ["4-bit batch kernels unavailable: no C compiler (cc not found)"]
+    assert ib.LOAD_NOTES[tmp_path] == "no C compiler (cc not found)"

@@ -115,12 +115,38 @@ def test_sizing_flags_no_server_could_use_exit_2_naming_the_flag(flags, text, ca
 
 
 def test_a_name_given_twice_in_lora_paths_stops_launch_naming_it(tmp_path):
-    from launch import build_parser, to_server_args
+    from launch import FlagError, build_parser, to_server_args
 
     a = write_adapter(tmp_path / "a", r=4, targets=["q_proj"])
     ns = build_parser().parse_args(["--enable-lora", "--lora-paths", f"x={a}", f"x={a}"])
-    with pytest.raises(SystemExit, match="--lora-paths: the name 'x' is given twice"):
+    with pytest.raises(FlagError, match="--lora-paths: the name 'x' is given twice"):
         to_server_args(ns)
+
+
+@pytest.mark.parametrize(
+    ("value", "text"),
+    [
+        ('{"lora_name": "a"', "is not valid JSON"),
+        ('{"lora_name": "a"}', "needs string fields lora_name and lora_path"),
+        ('{"name": "a", "path": "/x"}', "needs string fields lora_name and lora_path"),
+    ],
+)
+def test_bad_json_in_lora_paths_is_a_flag_error_naming_the_value(value, text, capsys):
+    """It used to end in a traceback or argparse's 'invalid parse_lora_path value' (an internal name)."""
+    from launch import build_parser
+
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(["--enable-lora", "--lora-paths", value])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "argument --lora-paths" in err and text in err and "parse_lora_path" not in err
+
+
+def test_lora_paths_without_enable_lora_exits_2(tmp_path, caplog):
+    from launch import main
+
+    a = write_adapter(tmp_path / "a", r=4, targets=["q_proj"])
+    assert main(["--lora-paths", f"x={a}"]) == 2
+    assert "--lora-paths needs --enable-lora" in caplog.text
 
 
 def test_launch_infers_rank_and_targets_from_initial_adapters(tmp_path):
