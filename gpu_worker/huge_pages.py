@@ -1,4 +1,4 @@
-"""Transparent huge pages (2 MiB) for a CPU worker's large buffers: weights, KV cache, LoRA arenas.
+"""Transparent huge pages (2 MiB) for a CPU worker's large buffers: weights, KV cache, LoRA slot arenas.
 
 Why: a decode step streams every weight from memory once. On 4 KiB pages each page costs a TLB miss and the
 hardware prefetchers stop at every page boundary; on 2 MiB pages neither happens. Measured on the 2-core Xeon

@@ -16,8 +16,8 @@ class CacheKey(msgspec.Struct, frozen=True, order=True):
 
     uid: str
     layer: int
-    module: str
-    which: str  # "A", "B", or "B32" (B packed in 32-column blocks for the C kernel)
+    module: str  # a module (q_proj ...), or a fused projection (qkv ...) for "AF"
+    which: str  # "A", "B", or for the C kernel read in place "AF" (a fused projection's A) / "BP" (B packed)
     tp_rank: int
     tp_size: int
     layers: int = 1  # the tensor stacks layers layer .. layer + layers - 1 on dim 0 (1: one layer's matrix)

@@ -1,4 +1,5 @@
-"""Per-rank LoRA memory pool: host tier, ``--max-loras-per-batch`` device slots, eviction, batched apply.
+"""Per-rank LoRA memory pool: host tier, device slots (``--max-loras-per-batch``; on CPU read in place), eviction,
+batched apply.
 
 Every TP rank runs its own pool and must reach the same decisions: a batch's adapter uids are always handled
 in sorted order (``None`` = base needs no slot), free slots are taken lowest first, and victims come from an
@@ -67,7 +68,8 @@ class LoraPoolError(RuntimeError):
 @dataclass
 class HostAdapter:
     """An adapter in this rank's host tier: its (layer, module) -> rank map and its runs (module, first layer,
-    layers, rank), each one cache entry per A and B stacking those layers; tensors live in the cache."""
+    layers, rank); tensors live in the cache: one entry per run for A and B (slots copied from them), or, read in
+    place, one shrink buffer per fused projection and one expand buffer per module (:meth:`LoraPool._kernel_layout`)."""
 
     uid: str
     name: str
@@ -92,9 +94,10 @@ class LoraPool:
     Where the C kernel serves (``--lora-backend cpu-sgmv``, CPUs), the device *is* host memory, so nothing is
     copied: each host-tier adapter keeps its weights in the kernel's layout (:meth:`_kernel_layout`) and a slot is
     only an entry of per-layer address tables (``a_tab``, ``b_tab``) pointing into them. A slot then costs no
-    memory and placing an adapter costs microseconds, so the pool has one per request a batch can hold
-    (``max(--max-loras-per-batch, --max-running-requests)`` adapters at ``--max-lora-rank``): LoRA never limits
-    how many adapters a CPU batch mixes, only the host tier (``--max-loaded-loras``) does.
+    memory and placing an adapter costs microseconds, so the pool has one per request a batch can hold plus
+    those pinned adapters may take (``--max-loras-per-batch - 1 + --max-running-requests`` adapters at
+    ``--max-lora-rank``; pins are bounded by ``--max-loras-per-batch`` as everywhere): LoRA never limits how many
+    adapters a CPU batch mixes, only the host tier (``--max-loaded-loras``) does.
 
     Otherwise (the torch path, GPUs) slots are memory: ``--max-loras-per-batch`` x ``--max-lora-rank`` rank rows
     per layer and target module (as many adapters at the largest rank), shared by adapters at their own rank: an
@@ -131,8 +134,11 @@ class LoraPool:
         self.sgmv, how = choose_backend(args.lora_backend, dtype, device, cache_root(), group, widest)
         log.info("LoRA backend on TP rank %d: %s", plan.rank, how)
         self.in_place = self.sgmv is not None  # the kernel reads the host tier where it is (see the class doc)
-        # adapters at --max-lora-rank that fit: the memory budget, or (read in place) one per running request
-        self.n_slots = max(args.max_loras_per_batch, args.max_running_requests if self.in_place else 0)
+        # adapters at --max-lora-rank that fit: the memory budget, or (read in place, where slots cost nothing) one
+        # per running request plus those pinned adapters may hold (all of --max-loras-per-batch's but one), so
+        # no batch ever waits for a slot
+        self.n_slots = args.max_loras_per_batch + (args.max_running_requests - 1 if self.in_place else 0)
+        self.pin_rows = args.max_loras_per_batch * self.slot_size  # pins leave one adapter's rows of these free
         if self.in_place and self.n_slots > args.max_loras_per_batch:
             log.info(
                 "LoRA adapters are read in place from the host tier: a batch may mix up to %d of them "
@@ -315,10 +321,11 @@ class LoraPool:
             raise LoraPoolError(f"LoRA adapter {name} targets {extra}, outside --lora-target-modules {self.targets}")
         ranks = {(layer, run.module): run.r for run in weights for layer in run.layers}
         rows = lora_rows(max(ranks.values(), default=0))
-        if pinned and self._pinned_rows() + rows + self.slot_size > self.capacity:
+        if pinned and self._pinned_rows() + rows + self.slot_size > self.pin_rows:
+            slots = self.pin_rows // self.slot_size
             raise LoraPoolError(
-                f"LoRA adapter {name}: pinning it would leave no free slot of {self.n_slots} for other adapters "
-                f"(pinned adapters would hold {self._pinned_rows() + rows} of {self.capacity} rank rows, and an "
+                f"LoRA adapter {name}: pinning it would leave no free slot of {slots} for other adapters "
+                f"(pinned adapters would hold {self._pinned_rows() + rows} of {self.pin_rows} rank rows, and an "
                 f"adapter at --max-lora-rank {self.max_rank} needs {self.slot_size})"
             )
         tp = (self.plan.rank, self.plan.tp_size)

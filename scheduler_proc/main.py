@@ -360,6 +360,10 @@ class SchedulerLoop:
             self._finish_recovery(RestoreOutcome())
 
     def _finish_recovery(self, outcome: RestoreOutcome) -> None:
+        # the replacement group's pools set the LoRA budget from now on (the same, unless its kernel choice differs)
+        rows = [r.lora_rows for r in self.ready.values() if r.epoch == self.recovery.epoch]
+        if rows and min(rows):
+            self.sched.lora_rows_total = min(rows)
         for m in outcome.rollback:
             self._broadcast(m)
         for lost in outcome.lost:

@@ -165,8 +165,9 @@ class Scheduler:
         special_tokens: special token id -> its text; stop strings that contain such text are matched against
             the output with special tokens written out (see :class:`StopStringMatcher`).
         max_loras_per_batch, max_lora_rank: the workers' LoRA pools hold ``max_loras_per_batch`` adapters at
-            ``max_lora_rank``, i.e. that many times ``lora_rows(max_lora_rank)`` rank rows, which adapters share at
-            their own rank: a batch's distinct adapters, plus the pinned ones, must fit in those rows.
+            ``max_lora_rank`` (more where they read adapters in place), i.e. that many times
+            ``lora_rows(max_lora_rank)`` rank rows, which adapters share at their own rank: a batch's distinct
+            adapters, plus the pinned ones, must fit in those rows.
             ``adapter_rows`` (uid -> rows, from the workers' load acks) gives each adapter's need; an adapter
             missing there counts a whole slot. ``lora_pool_rows``, when given, is the pools' real size in rank rows
             (the workers' READY: a pool that reads adapters in place has one slot per running request).

@@ -150,7 +150,7 @@ def tiny_pool(
 ):
     """An in-process :class:`LoraPool` over the tiny config (CPU, ``dtype``, fp32 by default; ``backend`` is
     ``--lora-backend``; the test is skipped for cpu-sgmv on a machine without a C compiler). ``slots`` slots on
-    every backend: ``--max-running-requests`` is ``slots`` too, so a pool that reads adapters in place (one slot
+    every backend: ``--max-running-requests`` is 1, so a pool that reads adapters in place (``slots - 1`` plus one
     per running request) has as many."""
     from gpu_worker.lora_pool import LoraPool
     from gpu_worker.tp_plan import plan_for_model
@@ -158,7 +158,7 @@ def tiny_pool(
     args = server_args(
         enable_lora=True,
         max_loras_per_batch=slots,
-        max_running_requests=slots,
+        max_running_requests=1,
         max_lora_rank=max_rank,
         lora_eviction_policy=policy,
         lora_target_modules=list(targets or ALL),

@@ -150,8 +150,8 @@ def test_one_rank_failing_and_diverging(tmp_path):
         "LOOM_TEST_SABOTAGE_RANK": "1",
     }
     a = real_adapters()["r8-all"]
-    # two slots on every backend (a pool that reads adapters in place has one per running request)
-    args = ["--tp-size", "2", "--enable-lora", "--max-loras-per-batch", "2", "--max-running-requests", "2"]
+    # two slots on every backend (a pool that reads adapters in place has one per running request, plus one)
+    args = ["--tp-size", "2", "--enable-lora", "--max-loras-per-batch", "2", "--max-running-requests", "1"]
     args += ["--lora-paths", f"a={a}"]
     with launch_cluster(args, env_extra=env) as cluster:
         with cluster.client(timeout_s=60) as c:

@@ -399,22 +399,25 @@ def test_in_place_slot_checks_cached_shape(adapters):
 
 
 def test_in_place_pool_has_a_slot_per_running_request(adapters):
-    """Read in place, slots cost no memory: one per running request, whatever --max-loras-per-batch says; the torch
-    path keeps --max-loras-per-batch slots."""
+    """Read in place, slots cost no memory: one per running request plus the pins' allowance (all of
+    --max-loras-per-batch but one); the torch path keeps --max-loras-per-batch slots."""
     from gpu_worker.lora_pool import LoraPool
     from gpu_worker.tp_plan import plan_for_model
 
     skip_without_kernel()
     plan = plan_for_model(TINY, 1, 0)
-    for backend, slots in (("cpu-sgmv", 5), ("torch", 2)):
+    for backend, slots in (("cpu-sgmv", 6), ("torch", 2)):
         args = server_args(enable_lora=True, max_loras_per_batch=2, max_running_requests=5, max_lora_rank=4,
                            lora_target_modules=list(ALL), lora_backend=backend)  # fmt: skip
         pool = LoraPool(args, TINY, plan, torch.float32, torch.device("cpu"))
         assert pool.n_slots == slots
         names = [f"u{i}" for i in range(5)]
         load(pool, adapters, *names)
-        if backend == "cpu-sgmv":  # five adapters in one batch, nothing evicted
-            assert pool.assign(names) == [0, 1, 2, 3, 4]
+        if backend == "cpu-sgmv":  # five adapters in one batch beside a pinned one, nothing evicted
+            pool.load("pin", "pin", str(adapters["u5"]), pinned=True)
+            assert pool.assign(names) == [1, 2, 3, 4, 5]
+            with pytest.raises(LoraPoolError, match="pinning it would leave no free slot of 2"):
+                pool.load("pin2", "pin2", str(adapters["qv2"]), pinned=True)
         else:
             with pytest.raises(LoraPoolError, match="batch needs 5 adapters"):
                 pool.assign(names)
