@@ -67,28 +67,41 @@ DEFAULT_ENDPOINT = "ipc:///tmp/loom.sock"
 log = logging.getLogger("launch")
 
 
+class _LoraPathJSON(msgspec.Struct, forbid_unknown_fields=True):
+    """The JSON form of one ``--lora-paths`` value (SGLang's), decoded strictly: ``"pinned": "false"`` or a
+    misspelt key is an error, not a silent default."""
+
+    lora_name: str
+    lora_path: str
+    pinned: bool = False
+
+
 def parse_lora_path(value: str) -> LoraSpec:
     """``NAME=PATH``, a bare ``PATH`` (name = folder name) or JSON ``{"lora_name", "lora_path", "pinned"}``.
 
     Raises:
-        argparse.ArgumentTypeError: JSON that does not parse or lacks ``lora_name`` / ``lora_path`` (argparse
-            then exits 2 naming ``--lora-paths`` and the value).
+        argparse.ArgumentTypeError: JSON that does not parse, is not one object, has a field of the wrong type or
+            an unknown field; an empty name or path (argparse then exits 2 naming ``--lora-paths`` and the value).
     """
     v = value.strip()
-    if v.startswith("{"):
+    if v.startswith(("{", "[")):
         try:
-            d = json.loads(v)
-        except json.JSONDecodeError as e:
-            raise argparse.ArgumentTypeError(f"{value!r} is not valid JSON ({e})") from None
-        if not isinstance(d, dict) or not all(isinstance(d.get(k), str) for k in ("lora_name", "lora_path")):
+            d = msgspec.json.decode(v, type=_LoraPathJSON)
+        except msgspec.ValidationError as e:
             raise argparse.ArgumentTypeError(
-                f"{value!r}: the JSON form needs string fields lora_name and lora_path (and optionally pinned)"
-            )
-        return LoraSpec(name=d["lora_name"], path=d["lora_path"], pinned=bool(d.get("pinned", False)))
-    if "=" in v:
+                f"{value!r}: {e} (the JSON form is one object with lora_name, lora_path and optionally pinned)"
+            ) from None
+        except msgspec.DecodeError as e:
+            raise argparse.ArgumentTypeError(f"{value!r} is not valid JSON ({e})") from None
+        spec = LoraSpec(name=d.lora_name, path=d.lora_path, pinned=d.pinned)
+    elif "=" in v:
         name, path = v.split("=", 1)
-        return LoraSpec(name=name, path=path)
-    return LoraSpec(name=Path(v).name, path=v)
+        spec = LoraSpec(name=name, path=path)
+    else:
+        spec = LoraSpec(name=Path(v).name, path=v)
+    if not spec.path.strip():
+        raise argparse.ArgumentTypeError(f"{value!r}: the adapter's path is empty")
+    return spec
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -117,6 +117,7 @@ class SchedulerLoop:
         self.liveness = RankLiveness(args.tp_size)  # heartbeats for the front door's /health
         self.last_beat = 0.0
         self.slot_evictions = 0  # adapters evicted from a slot on rank 0 (for /metrics)
+        self.orphan_ops: set[int] = set()  # LoRA commands of a dead front door still at the ranks
 
     # ------------------------------------------------------------------ start-up
     def wait_for_workers(self) -> None:
@@ -258,6 +259,8 @@ class SchedulerLoop:
                 self.in_flight, self.results = False, {}  # the step in flight is void (its result is dropped)
                 if n:
                     log.warning("front door %s (re)started: dropped %d requests of the one before", msg.incarnation, n)
+                if self.front_incarnation is not None:
+                    self._orphan_lora_ops()
                 self.front_incarnation = msg.incarnation
             self._send_view()
         elif isinstance(msg, ShutdownCmd):
@@ -309,11 +312,33 @@ class SchedulerLoop:
                 self._broadcast(m)
             if result is not None:
                 self._sync_pins()
+                if msg.op_id in self.orphan_ops:  # a dead front door's command changed the workers: say so
+                    self.orphan_ops.discard(msg.op_id)
+                    self._send_view()
                 if not result.ok and op is not None and isinstance(op.cmd, LoraLoadCmd) and op.cmd.content_hash:
                     # a restore the registry asked for failed: the adapter is gone, its queued requests too
                     names = [a.name for a in self.ops.loaded.values()]
                     self._emit(self.sched.fail_adapter(op.cmd.uid, never_loaded_message(op.cmd.name, names)))
                 self._to_front(result)
+
+    def _orphan_lora_ops(self) -> None:
+        """A new front door rebuilds its registry from the view it is about to get; LoRA commands of the dead one
+        would change the workers behind its back. Those not yet sent (an unload or eviction waiting for its
+        adapter's requests, which were just dropped; a pinned load waiting for room) are cancelled, so the view
+        stays true; those already at the ranks finish, and each sends a fresh view when it does, which the front
+        door reconciles (an adapter it adopted and the ranks then unloaded is restored under the same uid)."""
+        s = self.sched
+        for op_id, op in list(self.ops.pending.items()):
+            if op_id <= 0 or self.recovery.owns(op_id):
+                continue  # the scheduler's own (rollbacks, restores)
+            if op.sent:
+                self.orphan_ops.add(op_id)
+                continue
+            del self.ops.pending[op_id]
+            if isinstance(op.cmd, LoraUnloadCmd):
+                s.blocked_uids.discard(op.cmd.uid)
+            log.warning("front door restarted: cancelled its unsent LoRA command %s", op.cmd)
+        self._sync_pins()
 
     # ------------------------------------------------------------------ TP group replacement
     def _group_lost(self, epoch: int, cause: str, process: str = "gpu_worker") -> None:
@@ -400,6 +425,7 @@ class SchedulerLoop:
         s.pinned_uids = {u for u, p in self.ops.pinned.items() if p}
         s.loaded_uids = set(self.ops.loaded)
         s.adapter_rows = {u: a.rows for u, a in self.ops.loaded.items() if a.rows}
+        s.adapter_names = {u: a.name for u, a in self.ops.loaded.items()}
         s.loading_uids = self.ops.loading()
         for uid in s.loaded_uids & set(s.lost_uids):  # loaded again since it was lost
             del s.lost_uids[uid]

@@ -211,6 +211,7 @@ class Scheduler:
         self.slot_size = lora_rows(max_lora_rank)  # rank rows of one adapter at the largest rank
         self.lora_rows_total = lora_pool_rows or max_loras_per_batch * self.slot_size
         self.adapter_rows: dict[str, int] = {}
+        self.adapter_names: dict[str, str] = {}  # uid -> name of the adapters the workers hold, for messages
         self.starvation_steps = starvation_steps
         self.pinned_uids: set[str] = set()
         # pinned loads not yet confirmed by every rank: their slot is reserved from the moment they arrive
@@ -255,7 +256,8 @@ class Scheduler:
         elif need > self.kv.slots.capacity:
             err = f"prompt + max_new_tokens = {need} tokens exceeds the whole KV pool ({self.kv.slots.capacity})"
         elif msg.lora_uid is not None and msg.lora_uid in self.blocked_uids:
-            err = f"LoRA adapter {msg.lora_uid} is being unloaded"
+            name = self.adapter_names.get(msg.lora_uid)
+            err = f"LoRA adapter {name or msg.lora_uid} is being unloaded" + (f" (uid {msg.lora_uid})" if name else "")
         elif msg.lora_uid is not None and msg.lora_uid in self.lost_uids:
             err, kind = self.lost_uids[msg.lora_uid], "not_found"
         elif (

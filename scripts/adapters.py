@@ -13,6 +13,8 @@ import json
 import sys
 from pathlib import Path
 
+import zmq
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from ipc.client import DEFAULT_ENDPOINT, LoomClient, LoomError  # noqa: E402
@@ -23,7 +25,7 @@ def _slots(slots: dict[str, int]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run one sub-command; exit 1 with the server's message on error."""
+    """Run one sub-command; exit 1 with the server's message on error, 2 on bad flags (an unusable --endpoint)."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--endpoint", default=DEFAULT_ENDPOINT)
     p.add_argument("--json", action="store_true")
@@ -41,7 +43,12 @@ def main(argv: list[str] | None = None) -> int:
     ul = sub.add_parser("unload", parents=[common], help="unload an adapter")
     ul.add_argument("name")
     a = p.parse_args(argv)
-    with LoomClient(a.endpoint, timeout_s=600) as c:
+    try:
+        client = LoomClient(a.endpoint, timeout_s=600)
+    except zmq.ZMQError as e:
+        print(f"error: --endpoint {a.endpoint!r} is not usable: {e}", file=sys.stderr)
+        return 2
+    with client as c:
         try:
             if a.cmd == "list":
                 rows = c.list_loras()

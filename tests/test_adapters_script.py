@@ -49,3 +49,9 @@ def test_endpoint_and_json_before_or_after_the_sub_command(monkeypatch, capsys, 
     assert FakeClient.opened == [endpoint]
     out = capsys.readouterr().out
     assert (out.strip() == "[]") == as_json
+
+
+def test_an_unusable_endpoint_is_a_flag_error(capsys):
+    """It used to end in a zmq.error.ZMQError traceback with exit code 1."""
+    assert adapters.main(["--endpoint", "garbage", "list"]) == 2
+    assert "error: --endpoint 'garbage' is not usable" in capsys.readouterr().err

@@ -127,12 +127,16 @@ def test_a_name_given_twice_in_lora_paths_stops_launch_naming_it(tmp_path):
     ("value", "text"),
     [
         ('{"lora_name": "a"', "is not valid JSON"),
-        ('{"lora_name": "a"}', "needs string fields lora_name and lora_path"),
-        ('{"name": "a", "path": "/x"}', "needs string fields lora_name and lora_path"),
+        ('{"lora_name": "a"}', "missing required field `lora_path`"),
+        ('{"lora_name": "a", "lora_path": "/x", "path": "/x"}', "unknown field `path`"),
+        ('{"lora_name": "a", "lora_path": "/x", "pinned": "false"}', "Expected `bool`, got `str` - at `$.pinned`"),
+        ("[1]", "Expected `object`, got `array`"),
+        ("c=", "the adapter's path is empty"),
     ],
 )
 def test_bad_json_in_lora_paths_is_a_flag_error_naming_the_value(value, text, capsys):
-    """It used to end in a traceback or argparse's 'invalid parse_lora_path value' (an internal name)."""
+    """It used to end in a traceback or argparse's 'invalid parse_lora_path value' (an internal name); "pinned":
+    "false" counted as pinned, unknown keys were ignored, "[1]" was taken for a path and "c=" for the cwd."""
     from launch import build_parser
 
     with pytest.raises(SystemExit) as e:

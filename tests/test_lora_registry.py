@@ -346,3 +346,18 @@ def test_pins_count_rank_rows_not_slots():
         "hold 68 of 128 rank rows, and an adapter at --max-lora-rank 64 needs 64)"
     )
     assert reg.pin_refusal("p2", False, 64) is None  # unpinned loads are never refused for room
+
+
+def test_a_refused_start_up_adapter_stops_launch_in_one_line(tmp_path):
+    """A pin that --max-loras-per-batch 1 cannot hold: launch exits non-zero naming the flag and the adapter, and
+    the front door logs it without the Python traceback it used to print first."""
+    a = real_adapters()["r8-all"]
+    spec = json.dumps({"lora_name": "p", "lora_path": str(a), "pinned": True})
+    cmd = [sys.executable, str(REPO / "launch.py"), "--zmq-endpoint", f"ipc://{tmp_path}/front.sock"]
+    cmd += ["--quantization", "none", "--enable-lora", "--max-loras-per-batch", "1", "--lora-paths", spec]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=str(REPO))
+    log = out.stdout + out.stderr
+    assert out.returncode != 0, log
+    assert "--lora-paths p: LoRA adapter p: pinning it would leave no free slot of 1" in log, log
+    assert "Traceback" not in log, log
+    assert not (tmp_path / "front.sock").exists()

@@ -457,7 +457,10 @@ class FrontDoorServer:
         if self.incarnation > 1:
             return
         for spec in self.args.lora_paths:
-            await self.door.load_adapter(spec.name, spec.path, spec.pinned, deterministic=True)
+            try:
+                await self.door.load_adapter(spec.name, spec.path, spec.pinned, deterministic=True)
+            except (ValueError, LookupError) as e:  # refused (bad folder, pin, rank ...): the user's, not a bug
+                raise StartupRefused(f"--lora-paths {spec.name}: {e}") from None
 
     async def run(self) -> None:
         """Start serving; returns on SIGTERM (in-flight requests are answered "server shutting down" when the
@@ -521,6 +524,10 @@ class FrontDoorServer:
             t.cancel()
 
 
+class StartupRefused(RuntimeError):
+    """A start-up adapter (``--lora-paths``) was refused: reported in one line, without a traceback."""
+
+
 def main() -> None:
     """Entry point: ``python -m tokenizer_proc.main --config-file F``."""
     args, ns = child_setup("tokenizer")
@@ -540,7 +547,7 @@ def main() -> None:
     try:
         asyncio.run(amain())
     except Exception as e:  # noqa: BLE001 - start-up or loop failure: tell the launcher, exit non-zero
-        log.error("tokenizer failed: %s", traceback.format_exc())
+        log.error("tokenizer failed: %s", e if isinstance(e, StartupRefused) else traceback.format_exc())
         failed(zmq.Context.instance(), args.endpoints.control, "tokenizer_proc", f"{type(e).__name__}: {e}")
         raise SystemExit(1) from None
     finally:
