@@ -310,6 +310,18 @@ def test_requests_share_one_reload_and_its_failure(h):
     h.assert_agree()
 
 
+def test_a_reload_whose_files_are_gone_fails_as_never_loaded_and_forgets_the_name(h):
+    """Found by a new-user trial: it failed as a bad request ("... is not a folder") and stayed listed."""
+    import shutil
+
+    _evict_a(h)
+    shutil.rmtree(h.paths["a"])
+    kind, msg = outcome(h.start(h.admin.resolve_adapter("a")))
+    assert kind == "unknown" and "never been loaded" in msg and "a" in msg and "b" in msg, msg
+    assert h.admin.registry.state("a") == "gone" and not h.cluster.queue  # nothing was sent
+    h.assert_agree()
+
+
 def test_refused_pin_evicts_nothing(h):
     h.admin.registry.max_loaded = 1
     h.paths["p2"] = h.paths["b"]

@@ -22,6 +22,7 @@ import itertools
 import logging
 import time
 from collections.abc import Callable, Coroutine
+from pathlib import Path
 from typing import Any, Protocol
 
 from ipc.config import ServerArgs
@@ -297,6 +298,10 @@ class LoraAdmin:
                 if e is not None:
                     return e.uid
                 path, pinned = self.registry.refs[name]
+                if not Path(path).is_dir():  # its files are gone: nothing can restore it (as after a failover)
+                    self.registry.forget(name)
+                    log.warning("LoRA adapter %s cannot be reloaded: %s is gone; forgotten", name, path)
+                    raise self.registry.unknown(name)
                 log.info("reloading LoRA adapter %s from %s", name, path)
                 t = self._begin_load(name, path, pinned, False, "reload")
                 self._spawn(self._run_load(name))
