@@ -142,6 +142,7 @@ def test_path_outside_root_refused(client, root, tmp_path):
     # textually under the root, but ".." leads out of it
     msg = _refused(client, "dotdot", root / ".." / tmp_path.relative_to(root.parent) / "elsewhere")
     assert "LoRA adapter dotdot: path" in msg and "is outside the allowed root" in msg, msg
+    assert f"(resolves to {tmp_path / 'elsewhere'})" in msg, msg  # the path the check really refused
 
 
 def test_symlink_escaping_root_refused(client, root, tmp_path):

@@ -192,7 +192,8 @@ class LoraRegistry:
     def _check_path(self, name: str, path: str) -> tuple[str, int]:
         p = self._absolute(path).resolve()
         if self.root is not None and not p.is_relative_to(self.root):
-            raise AdapterRefused(f"LoRA adapter {name}: path {path} is outside the allowed root {self.root}")
+            where = "" if str(p) == path else f" (resolves to {p})"
+            raise AdapterRefused(f"LoRA adapter {name}: path {path}{where} is outside the allowed root {self.root}")
         if self.root is not None:  # a file inside the folder may still be a link to elsewhere
             for f in (CONFIG_FILE, WEIGHTS_FILE):
                 target = (p / f).resolve()
