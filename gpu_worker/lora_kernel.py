@@ -128,7 +128,13 @@ class SgmvLayerArgs:
 
     @classmethod
     def over_arena(
-        cls, A: torch.Tensor, Bs: list[torch.Tensor], outs: list[int], ranks: torch.Tensor, cols: list[int], start
+        cls,
+        A: torch.Tensor,
+        Bs: list[torch.Tensor],
+        outs: list[int],
+        ranks: torch.Tensor,
+        cols: list[int],
+        start: torch.Tensor,
     ) -> SgmvLayerArgs:
         """Arguments for slots packed back to back in one arena per buffer: slot ``s`` takes rank rows from
         ``start[s]`` (int64 ``[slots]``) in the fused shrink arena ``A`` ``[rows, in]`` and in the 1-D expand arenas

@@ -203,8 +203,9 @@ class LoraPool:
         }
         self.cols = {f: self._fused_cols(f) for f in self.rank_tab}
         # read in place: per layer, the address of each slot's shrink rows and of each sub-module's expand weights
-        self.a_tab = {f: torch.zeros(cfg.num_layers, self.n_entries, dtype=torch.int64) for f in self.rank_tab}
-        self.b_tab = {f: torch.zeros(t.shape, dtype=torch.int64) for f, t in self.rank_tab.items()}
+        tabs = self.rank_tab if self.in_place else {}
+        self.a_tab = {f: torch.zeros(cfg.num_layers, self.n_entries, dtype=torch.int64) for f in tabs}
+        self.b_tab = {f: torch.zeros(t.shape, dtype=torch.int64) for f, t in tabs.items()}
         self.sgmv_args: list[dict[str, SgmvLayerArgs]] = []
         if self.in_place:
             for layer in range(cfg.num_layers):
@@ -457,15 +458,15 @@ class LoraPool:
         self._set_ranks(s, ad.ranks)
         if self.in_place:
             layer = torch.arange(self.cfg.num_layers, dtype=torch.int64)
-            esz = torch.empty((), dtype=self.slot_dtype).element_size()
             for f, mods in self.fused_targets.items():
                 if f not in ad.a_rows:
                     continue
                 a = self._host_a(ad, f)
-                self.a_tab[f][:, s] = a.data_ptr() + layer * (ad.a_rows[f] * len(mods) * a.shape[1] * esz)
+                self.a_tab[f][:, s] = a.data_ptr() + layer * a[: ad.a_rows[f] * len(mods)].nbytes
                 for k, m in enumerate(mods):
                     if m in ad.b_elems:
-                        self.b_tab[f][:, s, k] = self._host_b(ad, m).data_ptr() + layer * (ad.b_elems[m] * esz)
+                        b = self._host_b(ad, m)
+                        self.b_tab[f][:, s, k] = b.data_ptr() + layer * (ad.b_elems[m] * b.element_size())
             return
         for m, first, n, r in ad.runs:
             fin, fout = self._local_dims(m)

@@ -178,7 +178,7 @@ class SchedulerLoop:
             special_tokens={i: t.content for i, t in tok.get_added_tokens_decoder().items() if t.special},
             max_loras_per_batch=self.args.max_loras_per_batch,
             max_lora_rank=self.args.max_lora_rank,
-            lora_pool_rows=min(r.lora_rows for r in self.ready.values()),
+            lora_pool_rows=self._pool_rows(),
             enable_prefix_cache=not self.args.disable_radix_cache,
             chunked_prefill_size=self.args.chunked_prefill_size,
             max_prefill_tokens=self.args.max_prefill_tokens,
@@ -197,6 +197,12 @@ class SchedulerLoop:
                 self._broadcast(m)
         self._sync_pins()
         self._send_view()
+
+    def _pool_rows(self, epoch: int | None = None) -> int:
+        """The smallest LoRA pool, in rank rows, among the ranks that said READY (of ``epoch`` when given);
+        0 without LoRA."""
+        rows = [r.lora_rows for r in self.ready.values() if epoch is None or r.epoch == epoch]
+        return min(rows, default=0)
 
     def _send_view(self) -> None:
         """Tell the front door which adapters the workers hold (and that this scheduler incarnation is up)."""
@@ -386,9 +392,9 @@ class SchedulerLoop:
 
     def _finish_recovery(self, outcome: RestoreOutcome) -> None:
         # the replacement group's pools set the LoRA budget from now on (the same, unless its kernel choice differs)
-        rows = [r.lora_rows for r in self.ready.values() if r.epoch == self.recovery.epoch]
-        if rows and min(rows):
-            self.sched.lora_rows_total = min(rows)
+        rows = self._pool_rows(self.recovery.epoch)
+        if rows:
+            self.sched.lora_rows_total = rows
         for m in outcome.rollback:
             self._broadcast(m)
         for lost in outcome.lost:
