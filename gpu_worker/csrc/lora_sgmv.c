@@ -181,6 +181,19 @@ static inline void dotbf2x8(const uint16_t* xh, const uint16_t* w0, const uint16
 #define HAVE_BF16_DOT 0
 #endif
 
+/* This thread's share [lo, hi) of items 0..total-1: contiguous runs, as OpenMP's static schedule, walked in
+ * order so each thread finds an item's segment incrementally instead of scanning from the first segment */
+static inline void thread_range(int64_t total, int64_t* lo, int64_t* hi) {
+#ifdef _OPENMP
+    int64_t nt = omp_get_num_threads(), id = omp_get_thread_num();
+#else
+    int64_t nt = 1, id = 0;
+#endif
+    int64_t base = total / nt, extra = total % nt;
+    *lo = id * base + (id < extra ? id : extra);
+    *hi = *lo + base + (id < extra ? 1 : 0);
+}
+
 /* the largest rank slot s has in any sub-module of this projection (0: no weights) */
 static inline int64_t seg_rmax(int64_t s, const int32_t* ranks, int64_t nmod) {
     int64_t rmax = 0;
@@ -628,14 +641,12 @@ static int lora_sgmv(int64_t in_dim, const void* x, int x_bf16, void* out, int64
         if (amx) {
             /* shrink: work items = (segment, block of TBA tokens, 16-row tile), numbered across all segments so the
              * threads split the whole step evenly (a segment alone may be one tile); xf holds the block's xv */
-            int64_t total = 0;
-            for (int64_t g = 0; g < nseg; g++) total += seg_items(seg, g, ranks, nmod);
-#ifdef _OPENMP
-#pragma omp for schedule(static) nowait
-#endif
-            for (int64_t it = 0; it < total; it++) {
-                int64_t g = 0, rest = it, n;
-                while (rest >= (n = seg_items(seg, g, ranks, nmod))) rest -= n, g++;
+            int64_t total = 0, lo, hi, g = 0, rest, n = seg_items(seg, 0, ranks, nmod);
+            for (int64_t q = 0; q < nseg; q++) total += seg_items(seg, q, ranks, nmod);
+            thread_range(total, &lo, &hi);
+            rest = lo;
+            for (int64_t it = lo; it < hi; it++, rest++) {
+                while (rest >= n) rest -= n, n = seg_items(seg, ++g, ranks, nmod);
                 int64_t s = seg[3 * g], p0 = seg[3 * g + 1], p1 = seg[3 * g + 2];
                 int64_t rows = seg_rmax(s, ranks, nmod) * nmod, nj = (rows + 15) / 16;
                 int64_t pa = p0 + rest / nj * TBA, jb = rest % nj * 16;
@@ -677,23 +688,22 @@ static int lora_sgmv(int64_t in_dim, const void* x, int x_bf16, void* out, int64
         if (amx) {
             /* expand: work items = (segment, sub-module, block of TBA tokens, 16 output columns), across segments;
              * xf (free after the shrink) holds the u tiles of the item's token block and sub-module */
-            int64_t total = 0, ut_g = -1, ut_k = -1, ut_p = -1;
-            for (int64_t g = 0; g < nseg; g++) total += expand_items(seg, g, ranks, nmod, out_k);
-#ifdef _OPENMP
-#pragma omp for schedule(static) nowait
-#endif
-            for (int64_t it = 0; it < total; it++) {
-                int64_t g = 0, rest = it, n;
-                while (rest >= (n = expand_items(seg, g, ranks, nmod, out_k))) rest -= n, g++;
-                int64_t s = seg[3 * g], p0 = seg[3 * g + 1], p1 = seg[3 * g + 2], k = 0;
+            int64_t total = 0, ut_g = -1, ut_k = -1, ut_p = -1, lo, hi, g = 0, rest;
+            int64_t n = expand_items(seg, 0, ranks, nmod, out_k);
+            for (int64_t q = 0; q < nseg; q++) total += expand_items(seg, q, ranks, nmod, out_k);
+            thread_range(total, &lo, &hi);
+            rest = lo;
+            for (int64_t it = lo; it < hi; it++, rest++) {
+                while (rest >= n) rest -= n, n = expand_items(seg, ++g, ranks, nmod, out_k);
+                int64_t s = seg[3 * g], p0 = seg[3 * g + 1], p1 = seg[3 * g + 2], k = 0, kr = rest;
                 int64_t ntb = (p1 - p0 + TBA - 1) / TBA;
                 for (;; k++) {
                     int64_t nk = ranks[s * nmod + k] ? ntb * ((out_k[k] + BC - 1) / BC) : 0;
-                    if (rest < nk) break;
-                    rest -= nk;
+                    if (kr < nk) break;
+                    kr -= nk;
                 }
                 int64_t r = ranks[s * nmod + k], nct = (out_k[k] + BC - 1) / BC;
-                int64_t pa = p0 + rest / nct * TBA, ct = rest % nct;
+                int64_t pa = p0 + kr / nct * TBA, ct = kr % nct;
                 int nt = (int)((p1 - pa) < TBA ? (p1 - pa) : TBA);
                 const uint16_t* b = (const uint16_t*)b_tab[s * nmod + k] + ct * blk_elems(r, 1);
                 if (g != ut_g || k != ut_k || pa != ut_p) {
