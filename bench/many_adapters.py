@@ -5,7 +5,7 @@
                                   [--new-tokens 32] [--prompt-tokens 64] [--zipf-alpha 1.0]
                                   [--max-loras-per-batch 8] [--max-loaded-loras 64] [--ranks 8,12,16]
                                   [--targets q_proj,v_proj] [--load-samples 8] [--dtype bfloat16] [--tp-size 1]
-                                  [--max-lora-rank R] [--repeats 1]
+                                  [--max-lora-rank R] [--repeats 1] [--length-spread 0.5]
 
 Adapters: ``--adapters`` random PEFT adapters (ranks cycled over ``--ranks``, ``--targets`` in every layer, bf16
 safetensors) made once by ``scripts/make_adapters.py`` under ``$LOOM_CACHE_DIR/bench-many-adapters/``; their
@@ -21,15 +21,17 @@ it from disk (on Linux, usually from the page cache: the files were just written
    request whose adapter is in a slot (hot), in the host tier but in no slot (warm: host -> slot), and only in
    the ref cache (cold: disk -> host -> slot). The warm and cold cost is their TTFT minus the TTFT of the same
    adapter's request sent right after (hot by then), p50 over the samples.
-3. Throughput: ``--requests`` streamed requests of ``--prompt-tokens`` random token ids and ``--new-tokens``
-   tokens (``ignore_eos``), ``--concurrency`` at a time, each naming an adapter drawn Zipf(``--zipf-alpha``)
-   over ``--hot-adapters`` adapters, then (same prompts, same seed) over all ``--adapters``; each run follows a
-   warm-up of ``--concurrency`` x 2 requests of its own traffic. Prints tokens/s, the ratio many / few (the
-   goal is >= 0.90), TTFT and end-to-end percentiles, and how many reloads from disk and host-tier evictions
-   the cluster log shows during each run. ``in flight`` is the mean number of distinct adapters among the
-   requests in flight: where slots are copies (the torch path, GPUs) and it is above what they hold, some
-   requests must wait for a slot whatever the speed of loading; where the C kernel reads adapters in place
-   (CPUs) the pool has a slot per running request (the ``LoRA pool:`` line says which).
+3. Throughput: ``--requests`` streamed requests of ``--prompt-tokens`` random token ids and about ``--new-tokens``
+   tokens (``ignore_eos``; each request's count drawn uniformly within ``--length-spread`` of it, the same counts in
+   both runs: with equal lengths the clients finish and resubmit in lockstep waves, whose come and go swung
+   single-run ratios by +-0.1), ``--concurrency`` at a time, each naming an adapter drawn Zipf(``--zipf-alpha``) over
+   ``--hot-adapters`` adapters, then (same prompts, same seed) over all ``--adapters``; each run follows a warm-up of
+   ``--concurrency`` x 2 requests of its own traffic. Prints tokens/s, the ratio many / few (the goal is >= 0.90),
+   TTFT and end-to-end percentiles, and how many reloads from disk and host-tier evictions the cluster log shows
+   during each run. ``in flight`` is the mean number of distinct adapters among the requests in flight: where slots
+   are copies (the torch path, GPUs) and it is above what they hold, some requests must wait for a slot whatever the
+   speed of loading; where the C kernel reads adapters in place (CPUs) the pool has a slot per running request (the
+   ``LoRA pool:`` line says which).
 
 Copied slots hold ``--max-loras-per-batch`` x ``--max-lora-rank`` rank rows, which adapters share at their own
 rank (``--max-lora-rank`` defaults to the largest of ``--ranks``: 8 slots then hold about 10 adapters of ranks
@@ -85,13 +87,21 @@ class RunStats:
         return self.tokens / self.cpu if self.cpu else float("nan")
 
 
-async def traffic(endpoint: str, prompts: list[list[int]], loras: list[str], new_tokens: int, conc: int) -> RunStats:
-    """Stream every (prompt, adapter) with ``conc`` requests in flight at any time."""
+def new_token_counts(n: int, mean: int, spread: float, seed: int) -> list[int]:
+    """``n`` output lengths drawn uniformly from ``mean * (1 +- spread)`` (at least 1), the same for a seed."""
+    rng = random.Random(seed)
+    lo, hi = max(1, round(mean * (1 - spread))), max(1, round(mean * (1 + spread)))
+    return [rng.randint(lo, hi) for _ in range(n)]
+
+
+async def traffic(
+    endpoint: str, prompts: list[list[int]], loras: list[str], new_tokens: list[int], conc: int
+) -> RunStats:
+    """Stream every (prompt, adapter, output length) with ``conc`` requests in flight at any time."""
     from ipc.client import AsyncLoomClient, LoomError
 
-    sp = {"max_new_tokens": new_tokens, "temperature": 0, "ignore_eos": True}
     st = RunStats(distinct=len(set(loras)))
-    jobs = list(zip(prompts, loras, strict=True))
+    jobs = list(zip(prompts, loras, new_tokens, strict=True))
     jobs.reverse()
 
     inflight: Counter = Counter()  # adapter -> requests in flight
@@ -99,7 +109,8 @@ async def traffic(endpoint: str, prompts: list[list[int]], loras: list[str], new
 
     async def worker(c: AsyncLoomClient) -> None:
         while jobs:
-            ids, lora = jobs.pop()
+            ids, lora, want = jobs.pop()
+            sp = {"max_new_tokens": want, "temperature": 0, "ignore_eos": True}
             t0 = time.perf_counter()
             first, n = None, 0
             inflight[lora] += 1
@@ -230,7 +241,8 @@ def report(
     a: argparse.Namespace, reg: list[float], probes: dict[str, list[float]], few: RunStats, many: RunStats, pool: str
 ):
     print(
-        f"\ntraffic: {a.requests} requests, {a.prompt_tokens}-token prompts, {a.new_tokens} new tokens, "
+        f"\ntraffic: {a.requests} requests, {a.prompt_tokens}-token prompts, {a.new_tokens} new tokens "
+        f"(+-{a.length_spread:.0%}), "
         f"{a.concurrency} in flight, Zipf alpha {a.zipf_alpha:g}; --max-loras-per-batch {a.max_loras_per_batch}, "
         f"--max-lora-rank {a.max_lora_rank}, --max-loaded-loras {a.max_loaded_loras}\n{pool}"
     )
@@ -292,6 +304,10 @@ def main() -> None:
     p.add_argument("--tp-size", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
+        "--length-spread", type=float, default=0.5,
+        help="each request's new tokens drawn uniformly within this fraction of --new-tokens (0: all equal)",
+    )  # fmt: skip
+    p.add_argument(
         "--repeats",
         type=int,
         default=1,
@@ -301,6 +317,8 @@ def main() -> None:
     a = p.parse_args()
     if not 0 < a.hot_adapters <= a.adapters:
         p.error("--hot-adapters must be between 1 and --adapters")
+    if not 0 <= a.length_spread < 1:
+        p.error("--length-spread must be in [0, 1)")
     a.max_lora_rank = a.max_lora_rank or max(int(r) for r in a.ranks.split(","))
     from ipc.client import LoomClient
     from ipc.model_config import load_model_config
@@ -316,12 +334,14 @@ def main() -> None:
     prompts = [random_prompt_ids(a.prompt_tokens, vocab, a.seed * 100_000 + i) for i in range(a.requests)]
     warm_n = 2 * a.concurrency
     warm_prompts = [random_prompt_ids(a.prompt_tokens, vocab, -1 - i) for i in range(warm_n)]
+    lengths = new_token_counts(a.requests, a.new_tokens, a.length_spread, a.seed)
+    warm_lengths = new_token_counts(warm_n, a.new_tokens, a.length_spread, a.seed + 1)
     flags = [
         "--dtype", a.dtype, "--quantization", a.quantization, "--tp-size", str(a.tp_size), "--enable-lora",
         "--lora-root", str(folder),
         "--max-loras-per-batch", str(a.max_loras_per_batch), "--max-loaded-loras", str(a.max_loaded_loras),
         "--max-lora-rank", str(a.max_lora_rank), "--lora-target-modules",
-        *a.targets.split(","), "--max-total-tokens", str(a.concurrency * (a.prompt_tokens + a.new_tokens) + 256),
+        *a.targets.split(","), "--max-total-tokens", str(a.concurrency * (a.prompt_tokens + max(lengths)) + 256),
     ]  # fmt: skip
     print(f"cluster: launch.py {' '.join(flags)}", flush=True)
     with loom_cluster(*flags) as cluster, LoomClient(cluster.endpoint) as client:
@@ -340,10 +360,10 @@ def main() -> None:
                 named = names[shift:] + names[:shift]
                 pick = [named[i] for i in zipf_draws(n, a.requests, a.zipf_alpha, a.seed)]
                 warm = [named[i] for i in zipf_draws(n, warm_n, a.zipf_alpha, a.seed + 1)]
-                asyncio.run(traffic(cluster.endpoint, warm_prompts, warm, a.new_tokens, a.concurrency))
+                asyncio.run(traffic(cluster.endpoint, warm_prompts, warm, warm_lengths, a.concurrency))
                 r0, e0 = log_counts(cluster.log_path)
                 cpu0 = cluster.worker_cpu_s()
-                st = asyncio.run(traffic(cluster.endpoint, prompts, pick, a.new_tokens, a.concurrency))
+                st = asyncio.run(traffic(cluster.endpoint, prompts, pick, lengths, a.concurrency))
                 st.cpu = cluster.worker_cpu_s() - cpu0
                 r1, e1 = log_counts(cluster.log_path)
                 st.reloads, st.evictions = r1 - r0, e1 - e0
