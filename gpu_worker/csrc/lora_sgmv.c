@@ -251,19 +251,41 @@ static inline int64_t seg_items(const int64_t* seg, int64_t g, const int32_t* ra
     return (seg[3 * g + 2] - seg[3 * g + 1] + TBA - 1) / TBA * ((rows + 15) / 16);
 }
 
-/* u[p0 + t, j] for rows j0..j1 of one slot's A (16-row tiles; rows up to the next multiple of 16 must exist) */
+/* Tiles of the LoRA kernel (palette 1): 0-4 full 16 rows x 64 bytes (shrink: 0 C, 1 A, 2 x pairs; expand: 0/3 C,
+ * 1 u, 2/4 B), and 5 (A) / 6 (C) of 8 rows, for a shrink's last 8 or fewer rows: a rank-12 sub-module pair has 24
+ * rows, and a full tile for the last 8 would read 8 rows of the next layer's weights for nothing. */
+static inline void amx_config_lora(void) {
+    tilecfg_t c;
+    memset(&c, 0, sizeof c);
+    c.palette_id = 1;
+    for (int i = 0; i < 7; i++) c.colsb[i] = 64, c.rows[i] = i < 5 ? 16 : 8;
+    _tile_loadconfig(&c);
+}
+
+/* u[p0 + t, j] for rows j0..j1 of one slot's A (16-row tiles, the last one 8 rows when 8 or fewer are left; rows up to
+ * the tile's end must exist) */
 static void shrink_amx(const uint32_t* xv, int nt, const uint16_t* a, int64_t in_dim, int64_t j0, int64_t j1, float* u,
                        int64_t u_stride, int64_t p0, int64_t nmod) {
     int64_t rc = u_stride / nmod;
     float cbuf[16 * TBA];
     for (int64_t jb = j0; jb < j1; jb += 16) {
-        _tile_zero(0);
-        for (int64_t kc = 0; kc < in_dim / 32; kc++) {
-            _tile_loadd(1, a + jb * in_dim + kc * 32, in_dim * 2);
-            _tile_loadd(2, xv + kc * 256, 64);
-            _tile_dpbf16ps(0, 1, 2);
+        if (j1 - jb <= 8) {
+            _tile_zero(6);
+            for (int64_t kc = 0; kc < in_dim / 32; kc++) {
+                _tile_loadd(5, a + jb * in_dim + kc * 32, in_dim * 2);
+                _tile_loadd(2, xv + kc * 256, 64);
+                _tile_dpbf16ps(6, 5, 2);
+            }
+            _tile_stored(6, cbuf, 64);
+        } else {
+            _tile_zero(0);
+            for (int64_t kc = 0; kc < in_dim / 32; kc++) {
+                _tile_loadd(1, a + jb * in_dim + kc * 32, in_dim * 2);
+                _tile_loadd(2, xv + kc * 256, 64);
+                _tile_dpbf16ps(0, 1, 2);
+            }
+            _tile_stored(0, cbuf, 64);
         }
-        _tile_stored(0, cbuf, 64);
         int64_t jn = j1 - jb < 16 ? j1 - jb : 16;
         for (int64_t jj = 0; jj < jn; jj++)
             for (int t = 0; t < nt; t++) u[(p0 + t) * u_stride + (jb + jj) % nmod * rc + (jb + jj) / nmod] = cbuf[jj * TBA + t];
@@ -637,7 +659,7 @@ static int lora_sgmv(int64_t in_dim, const void* x, int x_bf16, void* out, int64
         float xf[TB * MAXIN];
         int64_t xf_p0 = -1, xf_nt = 0; /* the token block xf holds (static schedules hand a thread runs of one block) */
 #if HAVE_AMX
-        if (amx) amx_config(5);
+        if (amx) amx_config_lora();
         if (amx) {
             /* shrink: work items = (segment, block of TBA tokens, 16-row tile), numbered across all segments so the
              * threads split the whole step evenly (a segment alone may be one tile); xf holds the block's xv */
