@@ -35,10 +35,13 @@ def fn(kernel_dir):
     return f
 
 
-def _case(seed: int, in_dim: int, outs: list[int], n_slots: int, max_rank: int, wdt: torch.dtype):
+def _case(
+    seed: int, in_dim: int, outs: list[int], n_slots: int, max_rank: int, wdt: torch.dtype, empty: tuple[int, ...] = ()
+):
     """Slots in the pool's arenas (A rank-major per sub-module, B packed at each slot's rank), each taking
     ``lora_rows`` of its largest rank, placed back to back in a shuffled order (so a slot's AMX tiles read its
-    neighbour's rows), plus the plain per-slot matrices for the reference."""
+    neighbour's rows), plus the plain per-slot matrices for the reference. Slots in ``empty`` have rank 0 in every
+    sub-module (an adapter that does not target this projection)."""
     g = torch.Generator().manual_seed(seed)
     rnd = random.Random(seed)
     nmod = len(outs)
@@ -48,6 +51,7 @@ def _case(seed: int, in_dim: int, outs: list[int], n_slots: int, max_rank: int, 
             ranks[s, k] = (
                 rnd.choice([0, 1, 3, 8, 16, 33, max_rank]) if max_rank > 16 else rnd.choice([0, 1, 3, 8, max_rank])
             )
+    ranks[list(empty)] = 0
     size = [lora_rows(int(ranks[s].max())) for s in range(n_slots)]
     order = list(range(n_slots))
     rnd.shuffle(order)
@@ -123,11 +127,33 @@ def test_avx2_build_matches_float64_maths(fn_avx2, in_dim, outs, xdt, wdt, max_r
     _check_against_float64(fn_avx2, in_dim, outs, xdt, wdt, max_rank)
 
 
-def _check_against_float64(fn, in_dim, outs, xdt, wdt, max_rank):
-    n_slots = 4
-    la, plain, cols = _case(in_dim + len(outs), in_dim, outs, n_slots, max_rank, wdt)
-    rnd = random.Random(in_dim)
-    per_slot = {s: rnd.choice([1, 2, 3, 5, 8, 9, 19]) for s in range(n_slots)}
+@pytest.mark.parametrize("wdt", [torch.bfloat16, torch.float32])
+def test_many_segments_match_float64_and_any_thread_count(fn, wdt):
+    """A decode step's shape: 40 adapters of 1-3 tokens each, some with no weights in this projection. Each
+    thread walks its own run of work items (segments cut anywhere by the split), so the result must match float64
+    maths and be the same bits on 1 thread as on 2."""
+    in_dim, outs = 64, [64, 32, 32]
+    args = (fn, in_dim, outs, torch.bfloat16, wdt, 16)
+    threads = torch.get_num_threads()
+    try:
+        outs_by_threads = []
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            out = _check_against_float64(*args, n_slots=40, per_token=[1, 1, 1, 2, 3], seed=5, empty=(0, 17, 39))
+            outs_by_threads.append(out)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(outs_by_threads[0], outs_by_threads[1])
+
+
+def _check_against_float64(
+    fn, in_dim, outs, xdt, wdt, max_rank, n_slots=4, per_token=(1, 2, 3, 5, 8, 9, 19), seed=0, empty=()
+):
+    """One kernel call over ``n_slots`` slots (``per_token``: the choices of each slot's token count; ``empty``:
+    slots with no weights) and 5 base-model tokens, against float64 maths; returns the kernel's output."""
+    la, plain, cols = _case(in_dim + len(outs) + seed, in_dim, outs, n_slots, max_rank, wdt, empty)
+    rnd = random.Random(in_dim + seed)
+    per_slot = {s: rnd.choice(per_token) for s in range(n_slots)}
     owner = [s for s, n in per_slot.items() for _ in range(n)] + [-1] * 5  # -1: a base-model token
     rnd.shuffle(owner)
     T = len(owner)
@@ -154,6 +180,7 @@ def _check_against_float64(fn, in_dim, outs, xdt, wdt, max_rank):
     assert torch.equal(out[base], out0[base])
     tol = 1e-5 if xdt == torch.float32 else 2e-2
     torch.testing.assert_close(out.double(), want, atol=tol, rtol=tol)
+    return out
 
 
 def test_kernel_rejects_what_it_cannot_take(fn):
