@@ -406,6 +406,47 @@ class LlamaShard:
         """Run one step; write new K/V to ``s.out_slots``; return last-token logits ``[B, vocab]`` fp32 (where the
         TP ranks gather the vocab-parallel head's columns, ``gather_logits_fn``, only rank 0 gets them all: the
         others get their own columns)."""
+        return self._logits(self._last_hidden(s, kv, lora))
+
+    @torch.inference_mode()
+    def forward_greedy(
+        self, s: StepInputs, kv: KVCache, lora: LoraApplier | None = None
+    ) -> tuple[list[int] | None, torch.Tensor | None]:
+        """:meth:`forward` for a step whose rows all take the argmax, at TP > 1: ``(tokens [B], None)``, or
+        ``(None, logits)`` exactly as :meth:`forward` returns them when some row's largest logit is not finite
+        (NaN, +inf, or every value -inf: the sampler then names what is wrong with the full row).
+
+        Each rank takes the max and first argmax of its own vocabulary columns, and one all-reduce of a
+        ``[B, 2 * tp]`` float64 tensor (each rank fills its two columns, zeros elsewhere: ``x + 0`` is exact, so
+        every rank holds every rank's pair) replaces gathering ``[B, vocab]`` fp32 logits on rank 0 and rank 0's
+        max over all of them. The largest value wins, the lowest vocabulary span on ties: the first maximal index,
+        as ``torch.max`` over the whole row picks. Every rank sees the same pairs, so all take the same branch.
+        """
+        if self.tp == 1:
+            raise ValueError("forward_greedy is for TP > 1 (one rank's logits are already whole)")
+        last = self._last_hidden(s, kv, lora)
+        has_cols = self.vocab_hi > self.vocab_lo
+        part = self._head(last) if has_cols else last.new_zeros(len(last), 0).float()
+        pairs = torch.zeros(len(last), 2 * self.tp, dtype=torch.float64)
+        me = self.plan.rank
+        if has_cols:
+            row_max, arg = part.max(-1)
+            pairs[:, 2 * me] = row_max.double()
+            pairs[:, 2 * me + 1] = (arg + self.vocab_lo).double()
+        else:
+            pairs[:, 2 * me] = float("-inf")
+        pairs = self._all_reduce(pairs)
+        maxes, ids = pairs[:, 0::2], pairs[:, 1::2]
+        best = maxes.max(-1)
+        if not bool(best.values.isfinite().all()):
+            return None, self._gather_logits(last, part)
+        # the first span whose max equals the row's max (spans ascend with the rank)
+        first = (maxes == best.values[:, None]).to(torch.int8).argmax(-1)
+        return ids.gather(1, first[:, None]).squeeze(1).long().tolist(), None
+
+    def _last_hidden(self, s: StepInputs, kv: KVCache, lora: LoraApplier | None) -> torch.Tensor:
+        """The layers of one step (K/V written to ``s.out_slots``); the final-normed hidden state of each row's
+        last token, ``[B, hidden]`` in the activation dtype."""
         cfg, w, d = self.cfg, self.w, self.d
         emb = w["embed"]
         x = F.embedding(s.input_ids, emb) if isinstance(emb, torch.Tensor) else emb.rows(s.input_ids, self.dtype)
@@ -421,13 +462,24 @@ class LlamaShard:
         if pending is not None:
             x = x + pending
         last = x if s.every_token_last else x[s.last_token_index]
-        last = rms_norm(last, w["norm"], cfg.rms_norm_eps)
+        return rms_norm(last, w["norm"], cfg.rms_norm_eps)
+
+    def _logits(self, last: torch.Tensor) -> torch.Tensor:
+        """Logits ``[B, vocab]`` fp32 of the normed last hidden states ``[B, hidden]`` (see :meth:`forward`)."""
         if self.tp == 1:
             return self._head(last)
+        part = self._head(last) if self.vocab_hi > self.vocab_lo else None
+        return self._gather_logits(last, part)
+
+    def _gather_logits(self, last: torch.Tensor, part: torch.Tensor | None) -> torch.Tensor:
+        """Join the ranks' vocabulary columns ``part`` ``[B, this rank's columns]`` fp32 (None or empty: it has
+        none) into logits: whole on rank 0 where ``gather_logits_fn`` gathers them, whole on every rank through
+        the all-reduce otherwise."""
+        if part is None or part.shape[-1] == 0:
+            part = last.new_zeros(len(last), 0).float()
         if self.gather_logits_fn is not None:  # only rank 0 samples: it gathers the other ranks' vocab columns
-            part = self._head(last) if self.vocab_hi > self.vocab_lo else last.new_zeros(len(last), 0).float()
             return self.gather_logits_fn(part.contiguous(), self.vocab_spans)
         logits = last.new_zeros(last.shape[0], self.vocab, dtype=torch.float32)
-        if self.vocab_hi > self.vocab_lo:
-            logits[:, self.vocab_lo : self.vocab_hi] = self._head(last)
+        if part.shape[-1]:
+            logits[:, self.vocab_lo : self.vocab_hi] = part
         return self._all_reduce(logits)

@@ -18,7 +18,7 @@ from gpu_worker.kv_cache import KVCache
 from gpu_worker.logprobs import row_logprobs
 from gpu_worker.model import DecodeGroup, LlamaShard, PrefillRow, StepInputs
 from gpu_worker.packed_linear import pack_linears, packing_pays
-from gpu_worker.sampling import sample_rows
+from gpu_worker.sampling import is_greedy, sample_rows, sampling_param_error
 from gpu_worker.tp_plan import plan_for_model
 from gpu_worker.weights import load_shard, release_freed_memory
 from ipc.config import ServerArgs
@@ -364,24 +364,51 @@ class Worker:
         The scheduler orders each plan by adapter, so each adapter's tokens form one segment; a plan that is
         not ordered is still exact (:class:`~gpu_worker.lora_pool.LoraBatch` gathers a slot's tokens).
         """
+        tokens, logits = self._forward(fb, greedy=False)
+        assert logits is not None
+        return logits
+
+    def _forward(self, fb: ForwardBatch, greedy: bool) -> tuple[list[int] | None, torch.Tensor | None]:
+        """Run the plan: ``(None, logits)`` as :meth:`forward_logits`, or with ``greedy`` (TP > 1, every row takes
+        the argmax) ``(tokens, None)`` from ``LlamaShard.forward_greedy`` unless a row's logits need inspecting."""
         s = self.build_inputs(fb)
         applier = None
         if self.lora is not None:
             applier = self.lora.prepare([r.lora_uid for r in fb.reqs], s.ext_lens)
         elif any(r.lora_uid is not None for r in fb.reqs):
             raise WorkerError("a request names a LoRA adapter but LoRA is not enabled (--enable-lora)")
-        logits = self.model.forward(s, self.kv, applier)
+        if greedy:
+            tokens, logits = self.model.forward_greedy(s, self.kv, applier)
+        else:
+            tokens, logits = None, self.model.forward(s, self.kv, applier)
         if self.decode_mirror is not None and any(g.mirror is not None for g in s.decode_groups):
             self.decode_mirror.commit()  # only now: a step that raised leaves the mirror invalid
-        return logits
+        return tokens, logits
+
+    def _all_greedy(self, fb: ForwardBatch) -> bool:
+        """Whether this step can take ``forward_greedy``: TP > 1 and every row greedy with valid sampling values and
+        no logprobs (the same answer on every rank: it reads only the plan)."""
+        return self.args.tp_size > 1 and all(
+            is_greedy(r.sampling) and sampling_param_error(r.sampling) is None and r.logprobs < 0 for r in fb.reqs
+        )
 
     def step(self, fb: ForwardBatch) -> StepResult:
-        """Run one step; rank 0 samples one token per request (other ranks return no tokens)."""
-        logits = self.forward_logits(fb)
+        """Run one step; rank 0 samples one token per request (other ranks return no tokens).
+
+        At TP > 1 a step whose rows are all greedy takes each row's argmax over the ranks' vocabulary columns
+        without gathering the logits (``LlamaShard.forward_greedy``): the same tokens, less work on rank 0.
+        """
+        if self._all_greedy(fb):
+            tokens, logits = self._forward(fb, greedy=True)
+        else:
+            tokens, logits = None, self.forward_logits(fb)
         next_ids: list[int] = []
         row_errors: dict[int, str] = {}
         logprobs: dict[int, RowLogprobs] = {}
-        if self.rank == 0:
+        if self.rank == 0 and tokens is not None:
+            next_ids = tokens
+        elif self.rank == 0:
+            assert logits is not None
             out = sample_rows(logits, [r.sampling for r in fb.reqs], [r.output_len for r in fb.reqs], self._gen)
             next_ids, row_errors = out.tokens, out.errors
             if any(r.logprobs >= 0 for r in fb.reqs):
