@@ -224,6 +224,14 @@ def make_set(a: argparse.Namespace, model_path: Path) -> tuple[dict[str, Path], 
     return adapters, out
 
 
+# why a load probe row can be empty: the cluster held no adapter in that state at any probe
+WHY_NO_PROBE = {
+    "hot": "no adapter was in a slot",
+    "warm": "every adapter in the host tier was in a slot",
+    "cold": "every adapter fit in the host tier (--adapters <= --max-loaded-loras): none was on disk only",
+}
+
+
 def ms(xs: list[float], q: float = 0.5) -> str:
     return f"{quantile(xs, q) * 1000:8.1f}" if xs else f"{'-':>8}"
 
@@ -277,6 +285,8 @@ def report(
         xs = probes[key]
         cost = probes.get(f"{key} cost")
         extra = f"{quantile(cost, 0.5) * 1000:>10.1f}" if cost else ""
+        if not xs and key in WHY_NO_PROBE:
+            extra = f"  ({WHY_NO_PROBE[key]})"
         print(f"{label:<58}{ms(xs)}{ms(xs, 0.99)}{extra}")
     print(
         f"(load_lora_adapter: {len(reg)} calls; past --max-loaded-loras each also evicts one adapter. cost: TTFT "
@@ -319,7 +329,20 @@ def main() -> None:
         p.error("--hot-adapters must be between 1 and --adapters")
     if not 0 <= a.length_spread < 1:
         p.error("--length-spread must be in [0, 1)")
-    a.max_lora_rank = a.max_lora_rank or max(int(r) for r in a.ranks.split(","))
+    if a.repeats < 1:
+        p.error(f"--repeats must be at least 1, not {a.repeats}")
+    try:
+        ranks = [int(r) for r in a.ranks.split(",")]
+    except ValueError:
+        p.error(f"--ranks must be comma-separated whole numbers, not {a.ranks!r}")
+    if min(ranks) < 1:
+        p.error(f"--ranks must all be at least 1, not {a.ranks!r}")
+    from ipc.lora_config import LLAMA_LORA_MODULES
+
+    unknown = sorted(set(a.targets.split(",")) - set(LLAMA_LORA_MODULES))
+    if unknown:
+        p.error(f"--targets: unknown module(s) {', '.join(unknown)}; choose from {', '.join(LLAMA_LORA_MODULES)}")
+    a.max_lora_rank = a.max_lora_rank or max(ranks)
     from ipc.client import LoomClient
     from ipc.model_config import load_model_config
     from ipc.model_source import resolve_model_path
@@ -372,10 +395,11 @@ def main() -> None:
             pairs.append((runs[0], runs[1]))
         pool = pool_line(cluster.log_path.read_text(errors="replace"))
     by_ratio = sorted(pairs, key=lambda fm: fm[1].tps / fm[0].tps)
-    report(a, reg, probes, *by_ratio[len(by_ratio) // 2], pool)
+    report(a, reg, probes, *by_ratio[(len(by_ratio) - 1) // 2], pool)  # the lower middle one for an even count
     if a.repeats > 1:
         ratios = ", ".join(f"{m.tps / f.tps:.2f}" for f, m in pairs)
-        print(f"many / few tokens/s of each repeat, in order: {ratios} (the table shows the median pair)")
+        which = "median" if a.repeats % 2 else "lower of the two middle"
+        print(f"many / few tokens/s of each repeat, in order: {ratios} (the table shows the {which} pair)")
     print(f"load average at the end: {loadavg()}")
 
 

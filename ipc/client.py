@@ -232,9 +232,12 @@ class _ClientBase:
         self._epoch = 0  # bumped each time the socket is replaced after a lost connection
         try:
             self._conn = _Conn(ctx, endpoint)
-        except zmq.ZMQError:
+        except zmq.ZMQError as e:
             ctx.term()
-            raise
+            raise LoomError(
+                f"cannot use endpoint {endpoint!r}: {e.strerror} (expected tcp://HOST:PORT or ipc:///PATH)",
+                kind="bad_request",
+            ) from e
 
     @property
     def sock(self) -> zmq.Socket:
@@ -379,7 +382,7 @@ class LoomClient(_ClientBase):
         connect_timeout_s: without a connection this long, waits fail with kind ``unavailable``.
         retry_window_s: how long resubmitted requests wait for a lost server to come back.
 
-    Raises zmq.ZMQError for a malformed endpoint.
+    Raises LoomError (``bad_request``) for a malformed endpoint.
     """
 
     def __init__(
@@ -692,7 +695,7 @@ class AsyncLoomClient(_ClientBase):
     A ``rid`` must be unique among this client's requests in flight (a duplicate is refused with
     :class:`LoomError` kind ``bad_request``). Use ``async with AsyncLoomClient(...) as c:`` to close it.
     ``retry``, ``connect_timeout_s`` and ``retry_window_s`` are as for :class:`LoomClient`.
-    Raises zmq.ZMQError for a malformed endpoint.
+    Raises LoomError (``bad_request``) for a malformed endpoint.
     """
 
     def __init__(

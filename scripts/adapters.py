@@ -13,8 +13,6 @@ import json
 import sys
 from pathlib import Path
 
-import zmq
-
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from ipc.client import DEFAULT_ENDPOINT, LoomClient, LoomError  # noqa: E402
@@ -45,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     try:
         client = LoomClient(a.endpoint, timeout_s=600)
-    except zmq.ZMQError as e:
+    except LoomError as e:  # a malformed endpoint
         print(f"error: --endpoint {a.endpoint!r} is not usable: {e}", file=sys.stderr)
         return 2
     with client as c:

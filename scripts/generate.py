@@ -23,7 +23,6 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import zmq  # noqa: E402
 
 from ipc.client import DEFAULT_ENDPOINT, LoomClient, LoomError  # noqa: E402
 
@@ -123,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     sp = sampling_params(a)
     try:
         client = LoomClient(a.endpoint, timeout_s=a.timeout)
-    except zmq.ZMQError as e:
+    except LoomError as e:  # a malformed endpoint
         print(f"error: --endpoint {a.endpoint!r} is not usable: {e}", file=sys.stderr)
         return 2
     shown = 0

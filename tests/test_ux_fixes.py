@@ -75,9 +75,14 @@ def test_timeout_message_shows_fractional_seconds(tmp_path):
     assert e.value.kind == "timeout"
 
 
-def test_bad_endpoint_raises_zmq_error_without_leaking():
-    with pytest.raises(zmq.ZMQError):
-        LoomClient("foo://bar")
+@pytest.mark.parametrize("endpoint", ["foo://bar", "", "tcp://nohost"])
+def test_bad_endpoint_is_a_loom_error_naming_it(endpoint):
+    with pytest.raises(LoomError, match=rf"cannot use endpoint {endpoint!r}: .*expected tcp://HOST:PORT") as e:
+        LoomClient(endpoint)
+    assert e.value.kind == "bad_request"
+    with pytest.raises(LoomError, match="cannot use endpoint") as e:
+        AsyncLoomClient(endpoint)
+    assert e.value.kind == "bad_request"
 
 
 # ---------------------------------------------------------------- model source / launcher
