@@ -279,3 +279,22 @@ def test_thread_probe_is_cheap_and_respects_override(monkeypatch):
     assert time.perf_counter() - t0 < 1.0
     assert n in scores and set(scores) == {1, 2}
     assert torch.get_num_threads() == before
+
+
+@pytest.mark.parametrize(
+    "windows, calls, pick",
+    [
+        ([{1: 100.0, 2: 60.0}], 1, 2),  # decisive: two threads clearly faster
+        ([{1: 100.0, 2: 140.0}], 1, 1),  # decisive: one thread fastest
+        ([{1: 100.0, 2: 95.0}, {1: 110.0, 2: 60.0}], 2, 2),  # a burst cost the first window; each count's best wins
+        ([{1: 100.0, 2: 95.0}] * 3, 3, 1),  # ambiguous in every window: fewer threads, after three windows
+    ],
+)
+def test_an_ambiguous_thread_probe_window_is_measured_again(monkeypatch, windows, calls, pick):
+    from gpu_worker import threads
+
+    seen = iter(windows)
+    monkeypatch.setattr(threads, "_window", lambda cands, probes, budget_s: dict(next(seen)))
+    n, scores = threads.measure_threads(2)
+    assert n == pick and len(windows) - sum(1 for _ in seen) == calls
+    assert scores == {k: min(w[k] for w in windows[:calls]) for k in (1, 2)}
