@@ -78,10 +78,10 @@ def measure_threads(
     The pick is the fewest threads whose score is within ``margin`` (a fraction) of the best: more threads must
     earn their keep, since they are the ones that collapse when the machine gets busy. A window (``budget_s`` of
     interleaved rounds, :func:`_window`) that picks fewer threads than its fastest count is ambiguous: a burst of
-    other work during it can cost more threads their margin (3 of 40 single windows on this idle 2-core machine,
-    where two threads are otherwise 0.65-0.77 of one thread's time; the worker then served 35% slower for its
-    whole life). So up to ``windows`` windows run until the pick is the fastest count, each count scoring its best
-    window: a burst rarely spans them all, while load that lasts slows every window.
+    other work during it can cost more threads their margin (with the earlier 8-row probe, 3 of 40 single
+    windows on an idle 2-core EPYC; the worker then served 35% slower for its whole life). So up to ``windows``
+    windows run until the pick is the fastest count, each count scoring its best window: a burst rarely spans
+    them all, while load that lasts slows every window.
 
     Leaves ``torch.get_num_threads()`` as it was. Returns ``(threads, {threads: score in µs})``.
     """

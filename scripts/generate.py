@@ -23,7 +23,6 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-
 from ipc.client import DEFAULT_ENDPOINT, LoomClient, LoomError  # noqa: E402
 
 MESSAGES_ERROR = "--messages-json must be a JSON list of {role, content} objects"
