@@ -425,11 +425,10 @@ class LlamaShard:
         if self.tp == 1:
             raise ValueError("forward_greedy is for TP > 1 (one rank's logits are already whole)")
         last = self._last_hidden(s, kv, lora)
-        has_cols = self.vocab_hi > self.vocab_lo
-        part = self._head(last) if has_cols else last.new_zeros(len(last), 0).float()
+        part = self._own_columns(last)
         pairs = torch.zeros(len(last), 2 * self.tp, dtype=torch.float64)
         me = self.plan.rank
-        if has_cols:
+        if part.shape[-1]:
             row_max, arg = part.max(-1)
             pairs[:, 2 * me] = row_max.double()
             pairs[:, 2 * me + 1] = (arg + self.vocab_lo).double()
@@ -468,15 +467,16 @@ class LlamaShard:
         """Logits ``[B, vocab]`` fp32 of the normed last hidden states ``[B, hidden]`` (see :meth:`forward`)."""
         if self.tp == 1:
             return self._head(last)
-        part = self._head(last) if self.vocab_hi > self.vocab_lo else None
-        return self._gather_logits(last, part)
+        return self._gather_logits(last, self._own_columns(last))
 
-    def _gather_logits(self, last: torch.Tensor, part: torch.Tensor | None) -> torch.Tensor:
-        """Join the ranks' vocabulary columns ``part`` ``[B, this rank's columns]`` fp32 (None or empty: it has
-        none) into logits: whole on rank 0 where ``gather_logits_fn`` gathers them, whole on every rank through
-        the all-reduce otherwise."""
-        if part is None or part.shape[-1] == 0:
-            part = last.new_zeros(len(last), 0).float()
+    def _own_columns(self, last: torch.Tensor) -> torch.Tensor:
+        """This rank's vocabulary columns of the logits, ``[B, vocab_hi - vocab_lo]`` fp32 (zero wide for a rank
+        whose span is empty)."""
+        return self._head(last) if self.vocab_hi > self.vocab_lo else last.new_zeros(len(last), 0).float()
+
+    def _gather_logits(self, last: torch.Tensor, part: torch.Tensor) -> torch.Tensor:
+        """Join the ranks' vocabulary columns ``part`` (:meth:`_own_columns`) into logits: whole on rank 0 where
+        ``gather_logits_fn`` gathers them, whole on every rank through the all-reduce otherwise."""
         if self.gather_logits_fn is not None:  # only rank 0 samples: it gathers the other ranks' vocab columns
             return self.gather_logits_fn(part.contiguous(), self.vocab_spans)
         logits = last.new_zeros(last.shape[0], self.vocab, dtype=torch.float32)

@@ -364,7 +364,7 @@ class Worker:
         The scheduler orders each plan by adapter, so each adapter's tokens form one segment; a plan that is
         not ordered is still exact (:class:`~gpu_worker.lora_pool.LoraBatch` gathers a slot's tokens).
         """
-        tokens, logits = self._forward(fb, greedy=False)
+        _, logits = self._forward(fb, greedy=False)
         assert logits is not None
         return logits
 
