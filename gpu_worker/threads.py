@@ -22,6 +22,8 @@ import torch
 # OpenMP threads spinning on the cores, two threads took 15-24x one thread's time at 32 rows (8 rows: 0.9-1.4x in
 # a third of windows, so the collapse went unseen)
 PROBE_ROWS, PROBE_IN, PROBE_OUT = 32, 576, 1536
+# more threads this many times slower than the best count: OpenMP threads waiting for a core another process holds
+COLLAPSE = 2.0
 
 
 def usable_cpus() -> int:
@@ -72,6 +74,7 @@ def measure_threads(
     budget_s: float = 0.2,
     margin: float = 0.15,
     windows: int = 3,
+    pause_s: float = 0.5,
 ) -> tuple[int, dict[int, float]]:
     """Time the probe matmul at each candidate thread count up to ``cap`` and pick one.
 
@@ -79,9 +82,12 @@ def measure_threads(
     earn their keep, since they are the ones that collapse when the machine gets busy. A window (``budget_s`` of
     interleaved rounds, :func:`_window`) that picks fewer threads than its fastest count is ambiguous: a burst of
     other work during it can cost more threads their margin (with the earlier 8-row probe, 3 of 40 single
-    windows on an idle 2-core EPYC; the worker then served 35% slower for its whole life). So up to ``windows``
-    windows run until the pick is the fastest count, each count scoring its best window: a burst rarely spans
-    them all, while load that lasts slows every window.
+    windows on an idle 2-core EPYC; the worker then served 35% slower for its whole life). So is one where more
+    threads collapse (:data:`COLLAPSE` times the best score): a neighbour's burst, such as a sibling process's
+    start-up (two threads once took 22x one thread's time in a fresh cluster's first start), looks like that for
+    as long as it lasts. So up to ``windows`` windows run, ``pause_s`` apart, until the pick is the fastest count
+    and nothing collapsed, each count scoring its median window: a burst rarely spans most of them, while load
+    that lasts slows them all (a best-window score let one lucky window past an OpenMP neighbour that stayed).
 
     Leaves ``torch.get_num_threads()`` as it was. Returns ``(threads, {threads: score in µs})``.
     """
@@ -95,17 +101,25 @@ def measure_threads(
         x = torch.randn(PROBE_ROWS, PROBE_IN, generator=gen).to(dt)
         w = torch.randn(PROBE_OUT, PROBE_IN, generator=gen).to(dt)
         probes.append((x, w))
-    scores: dict[int, float] = {}
+    seen: dict[int, list[float]] = {n: [] for n in cands}
     try:
-        for _ in range(max(1, windows)):
+        for w in range(max(1, windows)):
             for n, sc in _window(cands, probes, budget_s).items():
-                scores[n] = min(sc, scores.get(n, math.inf))
+                seen[n].append(sc)
+            scores = {n: statistics.median(v) for n, v in seen.items()}
             pick = _pick(scores, margin)
-            if pick == min(scores, key=scores.__getitem__):
+            if pick == min(scores, key=scores.__getitem__) and not collapsed(scores):
                 break
+            if w + 1 < windows:
+                time.sleep(pause_s)
     finally:
         torch.set_num_threads(before)
     return pick, scores
+
+
+def collapsed(scores: dict[int, float]) -> bool:
+    """Whether some thread count scored over :data:`COLLAPSE` times the best (threads waiting for a busy core)."""
+    return max(scores.values()) > COLLAPSE * min(scores.values())
 
 
 def _pick(scores: dict[int, float], margin: float) -> int:
@@ -140,4 +154,6 @@ def pick_num_threads(tp_size: int) -> tuple[int, str]:
     t0 = time.perf_counter()
     n, scores = measure_threads(cap)
     shown = ", ".join(f"{k}: {v:.0f} us" for k, v in scores.items())
-    return n, f"measured in {time.perf_counter() - t0:.2f} s, cap {cap} ({shown})"
+    busy = "; more threads stayed slow in every window: another process is using these cores"
+    busy = busy if collapsed(scores) else ""
+    return n, f"measured in {time.perf_counter() - t0:.2f} s, cap {cap} ({shown}){busy}"
