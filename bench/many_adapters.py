@@ -325,6 +325,8 @@ def main() -> None:
         "first uses are disk loads again); the report shows the pair of median ratio and lists every ratio",
     )
     a = p.parse_args()
+    if a.adapters < 1:
+        p.error(f"--adapters must be at least 1, not {a.adapters}")
     if not 0 < a.hot_adapters <= a.adapters:
         p.error("--hot-adapters must be between 1 and --adapters")
     if not 0 <= a.length_spread < 1:
@@ -339,16 +341,25 @@ def main() -> None:
         p.error(f"--ranks must all be at least 1, not {a.ranks!r}")
     from ipc.lora_config import LLAMA_LORA_MODULES
 
-    unknown = sorted(set(a.targets.split(",")) - set(LLAMA_LORA_MODULES))
+    targets = a.targets.split(",")
+    unknown = sorted(set(targets) - set(LLAMA_LORA_MODULES))
     if unknown:
-        p.error(f"--targets: unknown module(s) {', '.join(unknown)}; choose from {', '.join(LLAMA_LORA_MODULES)}")
+        named = ", ".join(repr(t) for t in unknown)
+        p.error(f"--targets: unknown module(s) {named}; choose from {', '.join(LLAMA_LORA_MODULES)}")
+    if len(set(targets)) < len(targets):
+        p.error(f"--targets names a module twice: {a.targets!r}")
+    if a.max_lora_rank and max(ranks) > a.max_lora_rank:
+        p.error(f"--ranks {a.ranks} exceed --max-lora-rank {a.max_lora_rank}: the server would refuse those adapters")
     a.max_lora_rank = a.max_lora_rank or max(ranks)
     from ipc.client import LoomClient
     from ipc.model_config import load_model_config
     from ipc.model_source import resolve_model_path
 
     model_path = resolve_model_path(None)
-    vocab = load_model_config(model_path).vocab_size
+    cfg = load_model_config(model_path)
+    vocab = cfg.vocab_size
+    if max(ranks) > cfg.hidden_size:
+        p.error(f"--ranks {a.ranks}: a rank above the model's hidden size ({cfg.hidden_size}) adds nothing")
     quant = f"Loom --quantization {a.quantization}"
     title = "bench/many_adapters.py: Zipf traffic over many adapters"
     print(bench_header(title, dtype=a.dtype, tp_size=a.tp_size, extra=quant))
