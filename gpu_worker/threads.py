@@ -83,11 +83,11 @@ def measure_threads(
     interleaved rounds, :func:`_window`) that picks fewer threads than its fastest count is ambiguous: a burst of
     other work during it can cost more threads their margin (with the earlier 8-row probe, 3 of 40 single
     windows on an idle 2-core EPYC; the worker then served 35% slower for its whole life). So is one where more
-    threads collapse (:data:`COLLAPSE` times the best score): a neighbour's burst, such as a sibling process's
-    start-up (two threads once took 22x one thread's time in a fresh cluster's first start), looks like that for
-    as long as it lasts. So up to ``windows`` windows run, ``pause_s`` apart, until the pick is the fastest count
-    and nothing collapsed, each count scoring its median window: a burst rarely spans most of them, while load
-    that lasts slows them all (a best-window score let one lucky window past an OpenMP neighbour that stayed).
+    threads collapse (:data:`COLLAPSE` times the best score): another process's OpenMP threads busy on the same
+    cores do that in bursts (a cluster start took 1 thread at 580 / 12663 us while one ran), and most windows
+    between its bursts pick more threads. So up to ``windows`` windows run, ``pause_s`` apart, until the pick is
+    the fastest count and nothing collapsed, each count scoring its median window: a burst rarely spans most of
+    them, while load that lasts slows them all (a best-window score let one lucky window past such a neighbour).
 
     Leaves ``torch.get_num_threads()`` as it was. Returns ``(threads, {threads: score in µs})``.
     """
