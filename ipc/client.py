@@ -48,7 +48,6 @@ from ipc.codec import Codec, WireError
 from ipc.messages import (
     AbortReq,
     AdminOut,
-    ChatMessage,
     ClientMsg,
     ErrorOut,
     GenerateOut,
@@ -57,7 +56,6 @@ from ipc.messages import (
     ListLorasReq,
     LoadLoraReq,
     LoraListOut,
-    SamplingParams,
     ServerMsg,
     UnloadLoraReq,
 )
@@ -100,22 +98,21 @@ def _request(
     return_logprob: bool = False,
     top_logprobs_num: int = 0,
 ) -> GenerateReq:
-    try:
-        sp = msgspec.convert(sampling_params or {}, SamplingParams)
-        msgs = None if messages is None else [msgspec.convert(m, ChatMessage) for m in messages]
+    fields = {
+        "text": text,
+        "input_ids": input_ids,
+        "messages": messages,
+        "sampling_params": sampling_params or {},
+        "stream": stream,
+        "lora_path": lora_path,
+        "rid": rid or uuid.uuid4().hex,
+        "return_logprob": return_logprob,
+        "top_logprobs_num": top_logprobs_num,
+    }
+    try:  # the whole request at once, so an error names the field's full path ($.sampling_params.top_k)
+        return msgspec.convert(fields, GenerateReq)
     except msgspec.ValidationError as e:
         raise LoomError(f"invalid request: {e}", "bad_request") from None
-    return GenerateReq(
-        text,
-        input_ids,
-        msgs,
-        sp,
-        stream,
-        lora_path,
-        rid or uuid.uuid4().hex,
-        return_logprob=return_logprob,
-        top_logprobs_num=top_logprobs_num,
-    )
 
 
 def _result(msg: GenerateOut) -> dict[str, Any]:
@@ -158,6 +155,19 @@ class _Conn:
                 pass
         self.mon.close()
         self.sock.close()
+
+
+def endpoint_problem(endpoint: str) -> str:
+    """Why a client cannot reach a Loom server at ``endpoint`` ("" when it may): ZeroMQ itself takes a
+    ``tcp://`` port past 65535 and ``inproc://`` (this process only), then waits on them as if the server were down."""
+    scheme, sep, rest = endpoint.partition("://")
+    if sep and scheme == "inproc":
+        return "inproc:// reaches only sockets inside this process, never a Loom server"
+    if sep and scheme == "tcp":
+        port = rest.rpartition(":")[2]
+        if port.isdigit() and not 0 < int(port) < 65536:
+            return f"TCP port {port} is outside 1-65535"
+    return ""
 
 
 @dataclass
@@ -231,6 +241,9 @@ class _ClientBase:
         self._down_since = time.monotonic()
         self._epoch = 0  # bumped each time the socket is replaced after a lost connection
         try:
+            problem = endpoint_problem(endpoint)
+            if problem:
+                raise zmq.ZMQError(msg=problem)
             self._conn = _Conn(ctx, endpoint)
         except zmq.ZMQError as e:
             ctx.term()

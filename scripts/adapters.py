@@ -63,8 +63,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(json.dumps(c.load_lora_adapter(a.name, a.path, a.pinned)))
             else:
                 print(json.dumps(c.unload_lora_adapter(a.name)))
-        except LoomError as e:
-            print(f"error: {e.message}", file=sys.stderr)
+        except LoomError as e:  # the kind says whether to fix the call (bad_request, not_found) or wait (unavailable)
+            print(f"error ({e.kind}): {e.message}", file=sys.stderr)
             return 1
     return 0
 

@@ -55,3 +55,16 @@ def test_an_unusable_endpoint_is_a_flag_error(capsys):
     """It used to end in a zmq.error.ZMQError traceback with exit code 1."""
     assert adapters.main(["--endpoint", "garbage", "list"]) == 2
     assert "error: --endpoint 'garbage' is not usable" in capsys.readouterr().err
+
+
+def test_a_server_error_names_its_kind(monkeypatch, capsys):
+    """Errors printed only their message, so an unreachable server read like a refused call."""
+    from ipc.client import LoomError
+
+    class DownClient(FakeClient):
+        def list_loras(self) -> list:
+            raise LoomError("no reply from the server in 600 s", "unavailable")
+
+    monkeypatch.setattr(adapters, "LoomClient", DownClient)
+    assert adapters.main(["list"]) == 1
+    assert "error (unavailable): no reply from the server" in capsys.readouterr().err

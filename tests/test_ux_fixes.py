@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import shutil
 import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -82,6 +84,40 @@ def test_bad_endpoint_is_a_loom_error_naming_it(endpoint):
     assert e.value.kind == "bad_request"
     with pytest.raises(LoomError, match="cannot use endpoint") as e:
         AsyncLoomClient(endpoint)
+    assert e.value.kind == "bad_request"
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "why"),
+    [
+        ("tcp://127.0.0.1:99999", "TCP port 99999 is outside 1-65535"),
+        ("tcp://127.0.0.1:0", "TCP port 0 is outside 1-65535"),
+        ("inproc://loom", "inproc:// reaches only sockets inside this process"),
+    ],
+)
+def test_endpoint_zmq_takes_but_no_server_can_have_is_refused(endpoint, why):
+    """ZeroMQ accepts these, and the client used to wait 2.5 s on them as if the server were down."""
+    t = time.monotonic()
+    with pytest.raises(LoomError, match=rf"cannot use endpoint {endpoint!r}: {why}") as e:
+        LoomClient(endpoint)
+    assert e.value.kind == "bad_request" and time.monotonic() - t < 1.0
+    with pytest.raises(LoomError, match=why):
+        AsyncLoomClient(endpoint)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "path"),
+    [
+        ({"sampling_params": {"top_k": "x"}}, "$.sampling_params.top_k"),
+        ({"messages": [{"role": 1, "content": "x"}], "text": None}, "$.messages[0].role"),
+        ({"return_logprob": "yes"}, "$.return_logprob"),
+    ],
+)
+def test_client_side_type_errors_name_the_full_path(kwargs, path, tmp_path):
+    """The client checked sampling params alone (``$.top_k``) and left return_logprob to the server."""
+    with LoomClient(f"ipc://{tmp_path}/nobody.sock", timeout_s=0.01) as c:
+        with pytest.raises(LoomError, match=re.escape(f"at `{path}`")) as e:
+            c.generate(**{"text": "hi", **kwargs})
     assert e.value.kind == "bad_request"
 
 
