@@ -140,13 +140,17 @@ def main() -> None:
         "--lora-paths", *[f"{n}={adapters[n]}" for n in names],
     ]  # fmt: skip
     with loom_cluster(*flags) as cluster:
-        # base and mixed take turns, so both see the same machine (its speed drifts by 2x within minutes)
+        # base and mixed take turns, so both see the same machine (its speed drifts by 2x within minutes), and
+        # every other pair runs mixed first, so a drift within pairs does not always favour the same side;
         # every run sends prompts no earlier run sent, so neither side finds whole prompts in the prefix cache
-        pairs = [
-            (loom_tps(cluster.endpoint, chat_prompts(a.requests, 2 * i + 1), [None] * a.requests, a.new_tokens),
-             loom_tps(cluster.endpoint, chat_prompts(a.requests, 2 * i + 2), loras, a.new_tokens))
-            for i in range(a.repeats)
-        ]  # fmt: skip
+        pairs = []
+        for i in range(a.repeats):
+            runs = {}
+            for side in ("base", "mixed") if i % 2 == 0 else ("mixed", "base"):
+                seed = 2 * i + (1 if side == "base" else 2)
+                traffic = [None] * a.requests if side == "base" else loras
+                runs[side] = loom_tps(cluster.endpoint, chat_prompts(a.requests, seed), traffic, a.new_tokens)
+            pairs.append((runs["base"], runs["mixed"]))
     base, mixed = median([b for b, _ in pairs]), median([m for _, m in pairs])
     paired = median([m / b for b, m in pairs])
     rows = [("Loom base only", base), ("Loom mixed LoRA", mixed)]
@@ -161,7 +165,7 @@ def main() -> None:
             print(f"vLLM comparison skipped: {e}", file=sys.stderr)
     print(f"\n{a.requests} requests x {a.new_tokens} tokens, {len(names)} adapters (ranks 8-64) + base, {a.dtype}")
     print(
-        f"Loom: medians of {a.repeats} base/mixed runs in turns; mixed / base of each pair: "
+        f"Loom: medians of {a.repeats} base/mixed runs in turns (odd pairs mixed first); mixed / base of each pair: "
         + ", ".join(f"{m / b:.2f}" for b, m in pairs)
         + f" (median {paired:.2f})"
     )
