@@ -26,7 +26,9 @@ import subprocess
 import sys
 import time
 from collections import deque
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import zmq
@@ -74,6 +76,32 @@ class _LoraPathJSON(msgspec.Struct, forbid_unknown_fields=True):
     lora_name: str
     lora_path: str
     pinned: bool = False
+
+
+class LoraModulesAction(argparse.Action):
+    """``--lora-target-modules``: Llama linears separated by spaces or commas (``all-linear``: all seven). An unknown
+    name is a flag error naming it: the pool used to drop it silently, and then refused every adapter as targeting
+    modules outside an empty list."""
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: str | Sequence[Any] | None,
+        option_string: str | None = None,
+    ) -> None:
+        """Set the flag to the names given, in order, each once; exits via ``parser.error`` for an unknown one."""
+        from ipc.lora_config import ALL_LINEAR, LLAMA_LORA_MODULES
+
+        names: list[str] = []
+        for value in values or ():
+            for name in filter(None, (n.strip() for n in value.split(","))):
+                names.extend(LLAMA_LORA_MODULES if name.lower() == ALL_LINEAR else [name])
+        bad = [n for n in names if n not in LLAMA_LORA_MODULES]
+        if bad or not names:
+            what = f"unknown module {bad[0]!r}" if bad else "no module given"
+            parser.error(f"{option_string}: {what}; choose from {' '.join(LLAMA_LORA_MODULES)} (or all-linear)")
+        setattr(namespace, self.dest, list(dict.fromkeys(names)))
 
 
 def parse_lora_path(value: str) -> LoraSpec:
@@ -153,7 +181,13 @@ def build_parser() -> argparse.ArgumentParser:
     a("--lora-paths", nargs="+", default=[], type=parse_lora_path, metavar="NAME=PATH")
     a("--max-loras-per-batch", type=int, default=8, help="LoRA slots per TP rank")
     a("--max-lora-rank", type=int, default=0, help="0 = the largest rank among --lora-paths (or 64)")
-    a("--lora-target-modules", nargs="+", default=[], help="default: inferred from --lora-paths (or all)")
+    a(
+        "--lora-target-modules",
+        nargs="+",
+        default=[],
+        action=LoraModulesAction,
+        help="Llama linears, by spaces or commas (default: inferred from --lora-paths, or all)",
+    )
     a("--lora-eviction-policy", default="lru", choices=["lru", "fifo"])
     a(
         "--lora-backend",

@@ -128,6 +128,9 @@ class LoraPool:
         self.policy = args.lora_eviction_policy
         if self.policy not in ("lru", "fifo"):
             raise ValueError(f"--lora-eviction-policy {self.policy!r}: choose lru or fifo")
+        unknown = sorted(set(args.lora_target_modules) - set(LLAMA_LORA_MODULES))
+        if unknown:  # launch.py refuses them first; never drop one silently (no adapter could then load)
+            raise ValueError(f"--lora-target-modules: unknown modules {unknown}; choose from {LLAMA_LORA_MODULES}")
         self.targets = [m for m in LLAMA_LORA_MODULES if m in (args.lora_target_modules or LLAMA_LORA_MODULES)]
         self.cache = HostWeightCache()
         widest = max(self._local_dims(m)[0] for m in LLAMA_LORA_MODULES)

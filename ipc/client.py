@@ -157,9 +157,11 @@ class _Conn:
         self.sock.close()
 
 
-def endpoint_problem(endpoint: str) -> str:
+def endpoint_problem(endpoint: object) -> str:
     """Why a client cannot reach a Loom server at ``endpoint`` ("" when it may): ZeroMQ itself takes a
     ``tcp://`` port past 65535 and ``inproc://`` (this process only), then waits on them as if the server were down."""
+    if not isinstance(endpoint, str):
+        return f"an endpoint is a string, not {type(endpoint).__name__}"
     scheme, sep, rest = endpoint.partition("://")
     if sep and scheme == "inproc":
         return "inproc:// reaches only sockets inside this process, never a Loom server"

@@ -124,6 +124,34 @@ def test_a_name_given_twice_in_lora_paths_stops_launch_naming_it(tmp_path):
 
 
 @pytest.mark.parametrize(
+    ("argv", "want"),
+    [
+        (["q_proj", "v_proj"], ["q_proj", "v_proj"]),
+        (["o_proj,down_proj"], ["o_proj", "down_proj"]),
+        (["v_proj,", "q_proj", "v_proj"], ["v_proj", "q_proj"]),
+        (["all-linear"], ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]),
+    ],
+)
+def test_lora_target_modules_by_spaces_or_commas(argv, want):
+    """A comma list used to be taken as one unknown name and dropped, leaving no module any adapter could target."""
+    from launch import build_parser
+
+    assert build_parser().parse_args(["--lora-target-modules", *argv]).lora_target_modules == want
+
+
+@pytest.mark.parametrize(
+    ("argv", "text"), [(["q_proj", "o_prj"], "unknown module 'o_prj'"), ([","], "no module given")]
+)
+def test_an_unknown_lora_target_module_is_a_flag_error(argv, text, capsys):
+    from launch import build_parser
+
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(["--lora-target-modules", *argv])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and f"--lora-target-modules: {text}; choose from q_proj" in err
+
+
+@pytest.mark.parametrize(
     ("value", "text"),
     [
         ('{"lora_name": "a"', "is not valid JSON"),

@@ -435,3 +435,14 @@ def test_failed_load_keeps_nothing(adapters, tmp_path):
     with pytest.raises(LoraPoolError, match=r"LoRA adapter u0 targets \[.*'k_proj'.*\], outside --lora-target-modules"):
         narrow.load("u0", "u0", str(adapters["u0"]))
     assert not narrow.host and len(narrow.cache) == 0
+
+
+def test_an_unknown_target_module_is_refused_not_dropped():
+    """The pool used to drop a name it did not know: ``o_proj,down_proj`` as one name left no target at all, and
+    every adapter was then refused as targeting modules outside ``[]``."""
+    from gpu_worker.lora_pool import LoraPool
+    from gpu_worker.tp_plan import plan_for_model
+
+    args = server_args(enable_lora=True, lora_target_modules=["q_proj", "o_proj,down_proj"], lora_backend="torch")
+    with pytest.raises(ValueError, match=r"unknown modules \['o_proj,down_proj'\]"):
+        LoraPool(args, TINY, plan_for_model(TINY, 1, 0), torch.float32, torch.device("cpu"))

@@ -105,6 +105,15 @@ def test_endpoint_zmq_takes_but_no_server_can_have_is_refused(endpoint, why):
         AsyncLoomClient(endpoint)
 
 
+@pytest.mark.parametrize("endpoint", [5555, None])
+def test_an_endpoint_that_is_not_a_string_is_a_loom_error(endpoint):
+    """It used to escape as AttributeError ('int' object has no attribute 'partition')."""
+    for client in (LoomClient, AsyncLoomClient):
+        with pytest.raises(LoomError, match="an endpoint is a string") as e:
+            client(endpoint)
+        assert e.value.kind == "bad_request"
+
+
 @pytest.mark.parametrize(
     ("kwargs", "path"),
     [
