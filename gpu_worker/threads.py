@@ -103,14 +103,14 @@ def measure_threads(
         probes.append((x, w))
     seen: dict[int, list[float]] = {n: [] for n in cands}
     try:
-        for w in range(max(1, windows)):
+        for i in range(max(1, windows)):
             for n, sc in _window(cands, probes, budget_s).items():
                 seen[n].append(sc)
             scores = {n: statistics.median(v) for n, v in seen.items()}
             pick = _pick(scores, margin)
             if pick == min(scores, key=scores.__getitem__) and not collapsed(scores):
                 break
-            if w + 1 < windows:
+            if i + 1 < windows:
                 time.sleep(pause_s)
     finally:
         torch.set_num_threads(before)

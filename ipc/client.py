@@ -242,17 +242,18 @@ class _ClientBase:
         self._ever_up = False
         self._down_since = time.monotonic()
         self._epoch = 0  # bumped each time the socket is replaced after a lost connection
-        try:
-            problem = endpoint_problem(endpoint)
-            if problem:
-                raise zmq.ZMQError(msg=problem)
-            self._conn = _Conn(ctx, endpoint)
-        except zmq.ZMQError as e:
+        problem = endpoint_problem(endpoint)
+        if not problem:
+            try:
+                self._conn = _Conn(ctx, endpoint)
+            except zmq.ZMQError as e:
+                problem = e.strerror
+        if problem:
             ctx.term()
             raise LoomError(
-                f"cannot use endpoint {endpoint!r}: {e.strerror} (expected tcp://HOST:PORT or ipc:///PATH)",
+                f"cannot use endpoint {endpoint!r}: {problem} (expected tcp://HOST:PORT or ipc:///PATH)",
                 kind="bad_request",
-            ) from e
+            )
 
     @property
     def sock(self) -> zmq.Socket:
