@@ -27,10 +27,10 @@ from gpu_worker.lora_cache import CacheKey, HostWeightCache
 from gpu_worker.lora_kernel import (
     TILE_PAD,
     SgmvLayerArgs,
+    SgmvStep,
     choose_backend,
     pack_b,
     packed_elems,
-    sgmv_add,
     unpack_b,
 )
 from gpu_worker.lora_weights import module_dims, read_adapter, shard_range
@@ -636,16 +636,15 @@ class LoraBatch:
                 self._batched = (n, tmax, torch.tensor(src, device=dev), torch.tensor(pos, device=dev))
         self._slots = sorted(per_slot)
         self._rows_idx: dict[int, torch.Tensor] = {}  # nmod -> the batched path's gather rows (see _arena_rows)
-        self._seg: torch.Tensor | None = None  # the C kernel's token list and segments (by slot), and scratch
-        self._tok: torch.Tensor | None = None
-        self._u: torch.Tensor | None = None
+        self._sgmv: SgmvStep | None = None  # the C kernel's token list and segments (by slot), and scratch
         if pool.sgmv is not None and per_slot:
             tok, seg = [], []
             for s in self._slots:
                 seg.append((s, len(tok), len(tok) + len(per_slot[s])))
                 tok.extend(per_slot[s])
-            self._tok = torch.tensor(tok, dtype=torch.int64)
-            self._seg = torch.tensor(seg, dtype=torch.int64)
+            # fp32 shrink results; the kernel's padded token blocks read the zero rows at the end
+            u = torch.zeros(len(tok) + 8, pool.max_rank * max(map(len, FUSED.values())))
+            self._sgmv = SgmvStep(pool.sgmv, torch.tensor(tok), torch.tensor(seg), u)
 
     def add(self, layer: int, fused: str, x: torch.Tensor, out: torch.Tensor) -> None:
         """``out[t0:t1, cols] += (x[t0:t1] @ A[s,:r]^T) @ B[s,:,:r]^T`` per segment and sub-module.
@@ -654,12 +653,12 @@ class LoraBatch:
         the rank's partial sum before the all-reduce, which is exact because the expand is linear).
         """
         p = self.pool
-        if fused not in p.rank_tab:
+        if self._sgmv is not None:
+            la = p.sgmv_args[layer].get(fused)
+            if la is not None:
+                self._sgmv.add(la, x, out)
             return
-        if self._seg is not None:
-            if self._u is None:  # fp32 shrink results; the kernel's padded token blocks read the zero rows at the end
-                self._u = torch.zeros(len(self._tok) + 8, p.max_rank * max(map(len, FUSED.values())))
-            sgmv_add(p.sgmv, p.sgmv_args[layer][fused], x, out, self._tok, self._seg, self._u)
+        if fused not in p.rank_tab:
             return
         cols = p.cols[fused]
         if self._batched is not None:

@@ -806,10 +806,15 @@ static int lora_sgmv(int64_t in_dim, const void* x, int x_bf16, void* out, int64
     return 0;
 }
 
-/* The entry point: the arguments of lora_sgmv above as one block of 18 int64 (pointers and flags as integers, in
- * that order), because ctypes spends ~5 us per call converting 18 separate arguments and a step makes 120 calls. */
+/* The entry point. Its one argument is a call's block of 11 int64 (pointers and flags as integers):
+ *   [0] x, [1] x_bf16, [2] out, [3] out_stride, [4] out_bf16   (this call's activations)
+ *   [5] the (layer, fused projection)'s constant block: in_dim, a_tab, b_tab, w_bf16, nmod, ranks, out_k, col_k
+ *   [6] tok, [7] nseg, [8] seg, [9] u, [10] u_stride           (the step's tokens, segments and scratch)
+ * ctypes spends ~5 us converting 18 separate arguments, and a step makes 120 calls; with the constant parts kept in
+ * blocks written once, a call writes six values (lora_kernel.SgmvStep). */
 int loom_lora_sgmv(const int64_t* a) {
-    return lora_sgmv(a[0], (const void*)a[1], (int)a[2], (void*)a[3], a[4], (int)a[5], (const int64_t*)a[6], a[7],
-                     (const int64_t*)a[8], (const int64_t*)a[9], (const int64_t*)a[10], (int)a[11], a[12],
-                     (const int32_t*)a[13], (const int64_t*)a[14], (const int64_t*)a[15], (float*)a[16], a[17]);
+    const int64_t* l = (const int64_t*)a[5];
+    return lora_sgmv(l[0], (const void*)a[0], (int)a[1], (void*)a[2], a[3], (int)a[4], (const int64_t*)a[6], a[7],
+                     (const int64_t*)a[8], (const int64_t*)l[1], (const int64_t*)l[2], (int)l[3], l[4],
+                     (const int32_t*)l[5], (const int64_t*)l[6], (const int64_t*)l[7], (float*)a[9], a[10]);
 }
