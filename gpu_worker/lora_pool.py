@@ -360,29 +360,42 @@ class LoraPool:
         expand buffer ``[layers * elems + TILE_PAD]``: layer ``l`` from ``l * elems``, packed by ``pack_b`` at that
         layer's rank, ``elems`` the packed size at the module's largest rank, zeros after. Both go to the cache
         (keys ``AF`` / ``BP`` over all layers), which checks shape and dtype on every later read.
+
+        All of them are views of one zeroed arena per adapter, each starting on a 64-byte line, and the arena is on
+        huge pages where it holds one (:mod:`gpu_worker.huge_pages`): a decode step streams every adapter in the
+        batch, and on 4 KiB pages each page costs a TLB miss and stops the hardware prefetchers (one arena, not a
+        buffer each, so a rank-8 adapter's ~5 MB gets huge pages too).
         """
         tp = (self.plan.rank, self.plan.tp_size)
         layers, bf16 = self.cfg.num_layers, self.slot_dtype == torch.bfloat16
-        for f, mods in self.fused_targets.items():
-            runs = [run for run in weights if MODULE_FUSED[run.module] == f]
-            if not runs:
-                continue
-            rows, fin = max(run.r for run in runs), self.local_dims[mods[0]][0]
-            a = torch.zeros(layers * rows * len(mods) + 16, fin, dtype=self.slot_dtype)
+        line = 64 // torch.empty((), dtype=self.slot_dtype).element_size()  # elements per 64-byte line
+        a_runs = {f: [run for run in weights if MODULE_FUSED[run.module] == f] for f in self.fused_targets}
+        a_rows = {f: max(run.r for run in runs) for f, runs in a_runs.items() if runs}
+        b_mods = sorted({run.module for run in weights})
+        b_elems = {m: packed_elems(self.local_dims[m][1], max(r.r for r in weights if r.module == m), bf16)
+                   for m in b_mods}  # fmt: skip
+        sizes = [(layers * rows * len(self.fused_targets[f]) + 16) * self.local_dims[FUSED[f][0]][0]
+                 for f, rows in a_rows.items()]  # fmt: skip
+        sizes += [layers * b_elems[m] + TILE_PAD for m in b_mods]
+        starts = [0]
+        for n in sizes:
+            starts.append(starts[-1] + -(-n // line) * line)
+        arena = huge_pages.zeros(starts[-1], self.slot_dtype)
+        views = iter(arena[s : s + n] for s, n in zip(starts, sizes, strict=False))
+        for f, rows in a_rows.items():
+            mods, fin = self.fused_targets[f], self.local_dims[FUSED[f][0]][0]
+            a = next(views).view(-1, fin)
             per = a[: layers * rows * len(mods)].view(layers, rows, len(mods), fin)
-            for run in runs:
+            for run in a_runs[f]:
                 per[run.first : run.first + len(run.layers), : run.r, mods.index(run.module)] = run.a
             ad.a_rows[f] = rows
             self.cache.put(CacheKey(ad.uid, 0, f, "AF", *tp, layers), a)
-        for m in sorted({run.module for run in weights}):
-            runs = [run for run in weights if run.module == m]
-            fout = self.local_dims[m][1]
-            k = packed_elems(fout, max(run.r for run in runs), bf16)
-            b = torch.zeros(layers * k + TILE_PAD, dtype=self.slot_dtype)
-            per_layer = b[: layers * k].view(layers, k)
-            for run in runs:
+        for m in b_mods:
+            b = next(views)
+            per_layer = b[: layers * b_elems[m]].view(layers, b_elems[m])
+            for run in (run for run in weights if run.module == m):
                 pack_b(run.b.to(self.slot_dtype), per_layer[run.first : run.first + len(run.layers)])
-            ad.b_elems[m] = k
+            ad.b_elems[m] = b_elems[m]
             self.cache.put(CacheKey(ad.uid, 0, m, "BP", *tp, layers), b)
 
     def _host_a(self, ad: HostAdapter, f: str) -> torch.Tensor:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import re
+import sys
 
 import pytest
 import torch
@@ -396,6 +397,24 @@ def test_in_place_slot_checks_cached_shape(adapters):
     pool.host["u0"].a_rows["qkv"] = 3  # a bookkeeping bug: the cache holds rank 4
     with pytest.raises(LoraCacheCollision, match=r"collision for \(u0, layers 0-1, qkv\.lora_AF, tp 0/1\)"):
         pool.assign(["u0"])
+
+
+def test_in_place_adapter_is_one_aligned_arena_on_huge_pages(adapters, monkeypatch):
+    """Read in place, an adapter's shrink and expand buffers are disjoint views of one arena, each on a 64-byte
+    line, the arena on a 2 MiB boundary (advised huge pages; the threshold lowered so a tiny adapter qualifies)."""
+    from gpu_worker import huge_pages
+
+    skip_without_kernel()
+    monkeypatch.setattr(huge_pages, "MIN_BYTES", 0)
+    monkeypatch.setenv("LOOM_HUGE_PAGES", "1")
+    pool = tiny_pool(slots=2, backend="cpu-sgmv")
+    load(pool, adapters, "pattern")
+    bufs = sorted((t for k, t in pool.cache._t.items() if k.uid == "pattern"), key=lambda t: t.data_ptr())
+    assert len(bufs) == 4 + 7  # shrink: qkv, o, gate_up, down; expand: the seven modules
+    assert len({t.untyped_storage().data_ptr() for t in bufs}) == 1
+    assert bufs[0].data_ptr() % huge_pages.HUGE == 0 or sys.platform != "linux"
+    for a, b in zip(bufs, bufs[1:], strict=False):
+        assert a.data_ptr() % 64 == 0 and a.data_ptr() + a.numel() * a.element_size() <= b.data_ptr()
 
 
 def test_in_place_pool_has_a_slot_per_running_request(adapters):
