@@ -9,6 +9,8 @@ path in every greedy step of ``tests/test_tp_parity.py`` (tokens against transfo
 
 from __future__ import annotations
 
+import gc
+import weakref
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -141,7 +143,17 @@ def _greedy_rank_main(rank: int, world: int, init: str, model_path: str, prompts
                  "poisoned": slow},
                 out,
             )  # fmt: skip
-        del w  # drop the group's last users before tearing it down: a gloo group torn down at exit can abort
+        # Drop the group's last users before tearing it down: the patched ``_gather_logits`` and ``_head`` close
+        # over the model's own bound methods, a cycle that ``del w`` alone leaves alive, and the model's all-reduce
+        # holds the group. A gloo group the collector frees during interpreter exit can abort the rank
+        # (``terminate called without an active exception``, seen once in CI).
+        vars(w.model).pop("_gather_logits")
+        vars(w.model).pop("_head", None)
+        model = weakref.ref(w.model)
+        del w
+        gather = head = None  # bound methods: they hold the model too
+        gc.collect()
+        assert model() is None, "the model outlived the worker: the gloo group would be freed at exit"
         dist.barrier()
     finally:
         if reducer is not None:
