@@ -71,6 +71,17 @@ def main() -> None:
         "with PyTorch's ops (gpu_worker/layer_ops.py)",
     )
     a = p.parse_args()
+    if a.lora_ab and a.lora < 1:
+        p.error("--lora-ab needs --lora N (N >= 1 adapters to compare against the base model)")
+    # each A/B flag runs blocks of 5 steps per arm in turns, the first step of a block not counted
+    arms = max([3 * a.lora_ab, 2 * (a.mirror == "ab" or a.int4_ab or a.attn_ab or a.ops_ab)])
+    if arms and a.steps < 5 * arms:
+        p.error(f"--steps {a.steps} is too few for the A/B runs asked: blocks of 5 steps for each of {arms} arms "
+                f"need --steps >= {5 * arms}")  # fmt: skip
+    from common import bench_header
+
+    print(bench_header("bench/decode_step.py: one worker's decode step", dtype=a.dtype, tp_size=1,
+                       extra=f"quantization {a.quantization}"), flush=True)  # fmt: skip
     import msgspec
     import torch
 
@@ -216,7 +227,7 @@ def main() -> None:
         print(f"decode KV mirror on {on_ms:.1f} ms, off {off_ms:.1f} ms per step: off/on {off_ms / on_ms:.2f}")
     print(
         f"batch {a.batch} context ~{a.context} {a.dtype} lora {a.lora} threads {torch.get_num_threads()}: "
-        f"step {med * 1e3:.1f} ms (median of {a.steps}), {a.batch / med:.1f} tok/s"
+        f"step {med * 1e3:.1f} ms (median of {a.steps}{', every arm' if arms else ''}), {a.batch / med:.1f} tok/s"
     )
     if a.profile:
         from torch.profiler import ProfilerActivity, profile
