@@ -626,7 +626,7 @@ class LoomClient(_ClientBase):
     def _admin_ok(self, msg: Any) -> dict[str, Any]:
         reply = self._admin(msg)
         if not reply.ok:
-            raise LoomError(reply.message, "bad_request")
+            raise LoomError(reply.message, reply.kind or "bad_request")
         return {"message": reply.message, **reply.info}
 
     def health(self) -> dict[str, Any]:

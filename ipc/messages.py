@@ -153,11 +153,13 @@ class ErrorOut(msgspec.Struct, tag=True):
 
 
 class AdminOut(msgspec.Struct, tag=True):
-    """Answer to an admin request (load/unload/health)."""
+    """Answer to an admin request (load/unload/health). ``kind`` names a failure as the HTTP API's native errors do
+    (``bad_request``, ``not_found`` for an adapter nothing knows, ``server_error``); empty when ``ok``."""
 
     ok: bool
     message: str = ""
     info: dict[str, Any] = {}
+    kind: str = ""
 
 
 class LoraListOut(msgspec.Struct, tag=True):

@@ -223,8 +223,13 @@ def test_dynamic_load_generate_unload(cluster, client, root):
 
 
 def test_unload_unknown_name_fails(client):
-    with pytest.raises(LoomError, match="Got LoRA adapter that has never been loaded: ghost"):
+    """Over ZMQ the error's kind is ``not_found``, as the HTTP API's 404 says (it was ``bad_request``)."""
+    with pytest.raises(LoomError, match="Got LoRA adapter that has never been loaded: ghost") as e:
         client.unload_lora_adapter("ghost")
+    assert e.value.kind == "not_found"
+    with pytest.raises(LoomError, match="/nonexistent") as e:  # a refused load stays a bad request
+        client.load_lora_adapter("ghost2", "/nonexistent")
+    assert e.value.kind == "bad_request"
 
 
 def test_adapters_script_lists_name_uid_path_rank_pinned_slots(cluster, client, root):

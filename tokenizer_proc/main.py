@@ -369,11 +369,13 @@ class FrontDoorServer:
             elif isinstance(msg, HealthReq):
                 down = self.door.health.problem()
                 sink.send(AdminOut(down is None, down or "ok", {"running": len(self.door.pending)}))
-        except (AdapterRefused, UnknownAdapter) as e:
-            sink.send(AdminOut(False, str(e)))
+        except AdapterRefused as e:
+            sink.send(AdminOut(False, str(e), kind="bad_request"))
+        except UnknownAdapter as e:  # the kind the HTTP API's 404 carries
+            sink.send(AdminOut(False, str(e), kind="not_found"))
         except Exception as e:  # noqa: BLE001 - a handler bug answers this client, the server stays up
             log.error("handler failed: %s", traceback.format_exc())
-            sink.send(AdminOut(False, f"internal error: {type(e).__name__}: {e}"))
+            sink.send(AdminOut(False, f"internal error: {type(e).__name__}: {e}", kind="server_error"))
 
     async def serve_scheduler(self) -> None:
         """Route scheduler output to clients."""
