@@ -30,9 +30,22 @@ MADV_HUGEPAGE = 14  # <linux/mman.h>
 MIN_BYTES = HUGE  # smaller buffers cannot hold a whole huge page; they stay plain allocations
 
 
+_OFF = ("0", "false", "off", "no")
+_ON = ("", "1", "true", "on", "yes")
+
+
 def enabled() -> bool:
-    """True on Linux unless ``LOOM_HUGE_PAGES=0``."""
-    return sys.platform == "linux" and os.environ.get("LOOM_HUGE_PAGES", "1") != "0"
+    """True on Linux unless ``LOOM_HUGE_PAGES`` is ``0`` (or ``false``, ``off``, ``no``); any value that is
+    neither on nor off is logged once as a warning and leaves huge pages on."""
+    value = os.environ.get("LOOM_HUGE_PAGES", "1").strip().lower()
+    if value not in _OFF + _ON:
+        _warn_unknown(value)
+    return sys.platform == "linux" and value not in _OFF
+
+
+@cache
+def _warn_unknown(value: str) -> None:
+    log.warning("LOOM_HUGE_PAGES=%r is neither 0/false/off/no nor 1/true/on/yes: huge pages stay on", value)
 
 
 @cache

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import sys
 
 import pytest
@@ -67,6 +68,19 @@ def test_disabled_by_environment(monkeypatch):
     ptr = w["a"].data_ptr()
     assert hp.move_to_huge_pages(w) == 0 and w["a"].data_ptr() == ptr
     assert "off" in hp.status() or sys.platform != "linux"
+
+
+@pytest.mark.parametrize("value", ["false", "OFF", " no "])
+def test_other_spellings_of_off_turn_it_off(monkeypatch, value):
+    monkeypatch.setenv("LOOM_HUGE_PAGES", value)
+    assert not hp.enabled()
+
+
+def test_an_unknown_value_warns_and_leaves_it_on(monkeypatch, caplog):
+    monkeypatch.setenv("LOOM_HUGE_PAGES", "disabled")
+    with caplog.at_level(logging.WARNING, logger=hp.log.name):
+        assert hp.enabled() == (sys.platform == "linux")
+    assert "LOOM_HUGE_PAGES='disabled'" in caplog.text
 
 
 class _Quantised:
