@@ -210,5 +210,8 @@ def read_adapter(
     if not bool(finite.all()):
         pairs = [(ka, kb) for items in runs.values() for _, ka, kb, _ in items]
         bad = pairs[int((~finite).nonzero()[0])]
-        raise LoraWeightsError(f"LoRA adapter {name}: {bad[0]} or {bad[1]} holds NaN or Inf")
+        raise LoraWeightsError(
+            f"LoRA adapter {name}: {bad[0]} or {bad[1]} holds NaN or Inf, or values so large that their fp32 sum "
+            "overflows"
+        )
     return out

@@ -71,3 +71,21 @@ def test_rewriting_the_file_after_load_changes_nothing(tmp_path):
     pool.assign(["u"])  # refills u's slot from the host copy, not from the (now garbage) file
     for m in pool.targets:
         assert torch.equal(pool.a_matrix(0, m, pool.table()["u"])[0], before[m])
+
+
+@pytest.mark.parametrize("fill", [float("nan"), float("inf"), 3e38], ids=["nan", "inf", "finite-overflow"])
+def test_non_finite_or_overflowing_weights_are_refused_naming_the_pair(tmp_path, fill):
+    """NaN, Inf, and finite values whose fp32 sum overflows (they would make the step's activations non-finite)
+    are refused at load, naming the tensor pair; the message says which of these it can be."""
+    name = "base_model.model.model.layers.1.mlp.down_proj.lora_B.weight"
+    clean = write_adapter(tmp_path / "clean", r=4)
+    from safetensors.torch import load_file
+
+    b = load_file(str(clean / "adapter_model.safetensors"))[name]
+    folder = write_adapter(tmp_path / "a", r=4, tensor_overrides={name: torch.full_like(b, fill)})
+    pool = tiny_pool()
+    why = "holds NaN or Inf, or values so large that their fp32 sum overflows"
+    with pytest.raises(LoraWeightsError, match=why) as e:
+        pool.load("u", "bad", str(folder))
+    assert name in str(e.value) and "bad" in str(e.value)
+    assert pool.host == {}

@@ -355,6 +355,9 @@ def test_unusable_adapter_paths_are_refused_by_name(tmp_path) -> None:
             reg.check_adapter("a", str(tmp_path / "x\x00y"))
         with pytest.raises(AdapterRefused, match="LoRA adapter a: .*(cannot be used|is not a folder)"):
             reg.check_adapter("a", str(tmp_path / ("n" * 5000)))
+        for empty in ("", "  "):  # resolved, it named the working directory as outside the root
+            with pytest.raises(AdapterRefused, match="LoRA adapter a: the path is empty"):
+                reg.check_adapter("a", empty)
 
 
 def test_every_load_entry_point_refuses_bad_adapter_names(model_path) -> None:

@@ -181,6 +181,8 @@ class LoraRegistry:
         problem = adapter_name_problem(name, self.served_model_name)
         if problem is not None:
             raise AdapterRefused(problem)
+        if not path.strip():
+            raise AdapterRefused(f"LoRA adapter {name}: the path is empty (give the adapter's folder)")
         if "\x00" in path:
             raise AdapterRefused(f"LoRA adapter {name}: path {path!r} contains a NUL character")
         try:
