@@ -5,7 +5,7 @@
                                   [--new-tokens 32] [--prompt-tokens 64] [--zipf-alpha 1.0]
                                   [--max-loras-per-batch 8] [--max-loaded-loras 64] [--ranks 8,12,16]
                                   [--targets q_proj,v_proj] [--load-samples 8] [--dtype bfloat16] [--tp-size 1]
-                                  [--max-lora-rank R] [--repeats 1] [--length-spread 0.5]
+                                  [--max-lora-rank R] [--repeats 1] [--length-spread 0.5] [--cold-files]
 
 Adapters: ``--adapters`` random PEFT adapters (ranks cycled over ``--ranks``, ``--targets`` in every layer, bf16
 safetensors) made once by ``scripts/make_adapters.py`` under ``$LOOM_CACHE_DIR/bench-many-adapters/``; their
@@ -31,7 +31,8 @@ it from disk (on Linux, usually from the page cache: the files were just written
    during each run. ``in flight`` is the mean number of distinct adapters among the requests in flight: where slots
    are copies (the torch path, GPUs) and it is above what they hold, some requests must wait for a slot whatever the
    speed of loading; where the C kernel reads adapters in place (CPUs) the pool has a slot per running request (the
-   ``LoRA pool:`` line says which).
+   ``LoRA pool:`` line says which). ``--cold-files`` drops the adapters' weight files from the page cache every
+   0.1 s during the runs, so reloads read the disk (as when the adapters outgrow the page cache).
 
 Copied slots hold ``--max-loras-per-batch`` x ``--max-lora-rank`` rank rows, which adapters share at their own
 rank (``--max-lora-rank`` defaults to the largest of ``--ranks``: 8 slots then hold about 10 adapters of ranks
@@ -42,12 +43,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import itertools
+import os
 import random
 import re
 import sys
+import threading
 import time
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -143,6 +148,38 @@ async def traffic(
         sampler.cancel()
     st.in_flight = sum(samples) / max(1, len(samples))
     return st
+
+
+@contextlib.contextmanager
+def evicting_page_cache(folders: list[Path], period_s: float = 0.1) -> Iterator[None]:
+    """While inside, drop ``folders``' adapter weight files from the page cache every ``period_s`` seconds
+    (``posix_fadvise`` DONTNEED: clean pages leave the cache, so the next read goes to the disk)."""
+    from ipc.lora_config import WEIGHTS_FILE
+
+    stop = threading.Event()
+
+    def evict() -> None:
+        while not stop.is_set():
+            for d in folders:
+                try:
+                    fd = os.open(d / WEIGHTS_FILE, os.O_RDONLY)
+                except OSError:
+                    continue
+                try:
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                finally:
+                    os.close(fd)
+            stop.wait(period_s)
+
+    t = threading.Thread(target=evict, daemon=True)
+    if folders:
+        t.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        if folders:
+            t.join()
 
 
 def log_counts(log_path: Path) -> tuple[int, int]:
@@ -324,6 +361,11 @@ def main() -> None:
         help="few/many run pairs in turns on one cluster (each many run makes other adapters popular, so its "
         "first uses are disk loads again); the report shows the pair of median ratio and lists every ratio",
     )
+    p.add_argument(
+        "--cold-files", action="store_true",
+        help="during the runs, drop the adapters' weight files from the page cache every 0.1 s (posix_fadvise "
+        "DONTNEED), so reloads read the disk, as when the adapters outgrow the page cache",
+    )  # fmt: skip
     a = p.parse_args()
     if a.adapters < 1:
         p.error(f"--adapters must be at least 1, not {a.adapters}")
@@ -397,7 +439,8 @@ def main() -> None:
                 asyncio.run(traffic(cluster.endpoint, warm_prompts, warm, warm_lengths, a.concurrency))
                 r0, e0 = log_counts(cluster.log_path)
                 cpu0 = cluster.worker_cpu_s()
-                st = asyncio.run(traffic(cluster.endpoint, prompts, pick, lengths, a.concurrency))
+                with evicting_page_cache(list(adapters.values()) if a.cold_files else []):
+                    st = asyncio.run(traffic(cluster.endpoint, prompts, pick, lengths, a.concurrency))
                 st.cpu = cluster.worker_cpu_s() - cpu0
                 r1, e1 = log_counts(cluster.log_path)
                 st.reloads, st.evictions = r1 - r0, e1 - e0

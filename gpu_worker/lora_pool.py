@@ -18,7 +18,6 @@ import hashlib
 import json
 import logging
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
@@ -33,6 +32,7 @@ from gpu_worker.lora_kernel import (
     packed_elems,
     unpack_b,
 )
+from gpu_worker.lora_reader import read_weights_file
 from gpu_worker.lora_weights import module_dims, read_adapter, shard_range
 from gpu_worker.timing import agreed_choice, best_time
 from gpu_worker.tp_plan import ShardPlan
@@ -40,7 +40,6 @@ from ipc.config import ServerArgs
 from ipc.lora_config import (
     LLAMA_LORA_MODULES,
     LORA_RANK_UNIT,
-    WEIGHTS_FILE,
     adapter_content_hash,
     lora_rows,
     read_adapter_config,
@@ -298,20 +297,22 @@ class LoraPool:
         """Rank rows adapter ``uid`` (in the host tier) takes in a slot."""
         return self.host[uid].rows
 
-    def load(self, uid: str, name: str, path: str, pinned: bool = False, expect_hash: str = "") -> str:
+    def load(
+        self, uid: str, name: str, path: str, pinned: bool = False, expect_hash: str = "", data: bytes | None = None
+    ) -> str:
         """Validate and read an adapter into the host tier (a pinned one also takes a slot now).
 
         Returns the sha256 of the adapter files (:func:`adapter_content_hash`). ``expect_hash`` (a restore
-        after a worker restart) refuses files whose content changed since the first load.
+        after a worker restart) refuses files whose content changed since the first load. ``data``: the weights
+        file's bytes when the caller read them already (:mod:`gpu_worker.lora_reader`, off the step loop);
+        None reads the file here.
 
         Raises LoraConfigError / LoraWeightsError / LoraPoolError naming the problem; nothing is kept then.
         """
         if uid in self.host:
             return self.host[uid].content_hash
-        try:  # read once: the hash covers the very bytes the weights are loaded from
-            data: bytes | None = (Path(path) / WEIGHTS_FILE).read_bytes()
-        except OSError:
-            data = None  # adapter_content_hash names the problem
+        if data is None:
+            data = read_weights_file(path)
         content_hash = adapter_content_hash(path, name, data)
         if expect_hash and content_hash != expect_hash:
             raise LoraPoolError(

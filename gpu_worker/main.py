@@ -13,6 +13,7 @@ import torch.distributed as dist
 import zmq
 
 from gpu_worker import timing
+from gpu_worker.lora_reader import AdapterReader
 from gpu_worker.shm_allreduce import ShmAllReduce, select_all_reduce
 from gpu_worker.threads import pick_num_threads, thread_cap
 from gpu_worker.worker import Worker, pick_device
@@ -123,9 +124,20 @@ def main() -> None:
         failed(ctx, args.endpoints.control, name, f"{type(e).__name__}: {e}")
         ctx.destroy(0)
         raise SystemExit(1) from None
+    reader = AdapterReader()
+    poller = zmq.Poller()
+    poller.register(sock, zmq.POLLIN)
+    poller.register(reader, zmq.POLLIN)
+
+    def finish_loads(done: list[tuple[WorkerLoraLoad, bytes | None]]) -> None:
+        for load, data in done:
+            sock.send(out_codec.encode(worker.load_lora(load, data)))
+
     try:
         while True:
-            if not sock.poll(1000):
+            events = dict(poller.poll(1000))
+            finish_loads(reader.ready())
+            if sock not in events:
                 continue
             frame = sock.recv()
             try:
@@ -133,6 +145,11 @@ def main() -> None:
             except WireError as e:
                 log.error("dropping bad frame from scheduler: %s", e)
                 continue
+            if isinstance(msg, WorkerLoraLoad) and not msg.pinned and worker.lora is not None:
+                reader.submit(msg)  # read off the loop; acked by finish_loads once loaded
+                continue
+            if not isinstance(msg, ForwardBatch | WorkerPing):
+                finish_loads(reader.drain())  # in message order before anything that reads or changes the pool
             if isinstance(msg, ForwardBatch):
                 try:
                     reply = worker.step(msg)
@@ -161,6 +178,7 @@ def main() -> None:
         pass
     finally:
         begin_cleanup(args)
+        reader.close()
         sock.close()
         ctx.destroy(0)
         if shm is not None:

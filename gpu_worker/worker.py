@@ -425,14 +425,15 @@ class Worker:
             epoch=self.epoch,
         )
 
-    def load_lora(self, msg: WorkerLoraLoad) -> LoraOpAck:
-        """Load an adapter into this rank's host tier; the ack carries the error text on failure."""
+    def load_lora(self, msg: WorkerLoraLoad, data: bytes | None = None) -> LoraOpAck:
+        """Load an adapter into this rank's host tier; the ack carries the error text on failure. ``data``: the
+        weights file's bytes, read already (:mod:`gpu_worker.lora_reader`); None reads them here."""
         if self.lora is None:
             return LoraOpAck(
                 msg.op_id, self.rank, False, "LoRA is not enabled (start with --enable-lora)", epoch=self.epoch
             )
         try:
-            content_hash = self.lora.load(msg.uid, msg.name, msg.path, msg.pinned, msg.content_hash)
+            content_hash = self.lora.load(msg.uid, msg.name, msg.path, msg.pinned, msg.content_hash, data)
         except Exception as e:  # noqa: BLE001 - every failure goes back to the scheduler as text
             return LoraOpAck(msg.op_id, self.rank, False, str(e), epoch=self.epoch)
         rows = self.lora.rows_of(msg.uid)

@@ -94,10 +94,10 @@ SABOTAGE = textwrap.dedent(
         orig = mod.LoraPool._ensure_slot
         orig_load = mod.LoraPool.load
 
-        def load(self, uid, name, path, pinned=False, expect_hash=""):
+        def load(self, uid, name, path, pinned=False, expect_hash="", data=None):
             if self.plan.rank == _RANK and name.startswith("fail"):
                 raise mod.LoraPoolError(f"LoRA adapter {name}: sabotaged load on this rank")
-            return orig_load(self, uid, name, path, pinned, expect_hash)
+            return orig_load(self, uid, name, path, pinned, expect_hash, data)
 
         mod.LoraPool.load = load
 
