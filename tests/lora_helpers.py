@@ -67,6 +67,38 @@ DUMMY_ENDPOINTS = Endpoints(
 )
 
 
+_IMPORT_HOOK = """
+
+import importlib.machinery as _machinery
+import sys as _sys
+
+
+class _PatchOnImport:
+    def find_spec(self, name, path, target=None):
+        if name != MODULE:
+            return None
+        _sys.meta_path.remove(self)
+        spec = _machinery.PathFinder.find_spec(name, path)
+        run = spec.loader.exec_module
+
+        def exec_module(module):
+            run(module)
+            _patch(module)
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+_sys.meta_path.insert(0, _PatchOnImport())
+"""
+
+
+def patch_on_import(module: str, patch_source: str) -> str:
+    """A ``sitecustomize.py`` for a cluster's children (put its folder on ``PYTHONPATH``): ``patch_source`` defines
+    ``_patch(mod)``, which runs on ``module`` right after that module is first imported (test-only hooks)."""
+    return patch_source + _IMPORT_HOOK.replace("MODULE", repr(module))
+
+
 def server_args(model_path: str = "/nonexistent", **kw) -> ServerArgs:
     """ServerArgs for in-process Worker/LoraPool tests (no sockets are ever opened)."""
     return ServerArgs(model_path=str(model_path), endpoints=DUMMY_ENDPOINTS, **kw)

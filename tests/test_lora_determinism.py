@@ -10,7 +10,7 @@ import sys
 import textwrap
 
 import pytest
-from lora_helpers import TESTS, launch_cluster, real_adapters, write_adapter
+from lora_helpers import TESTS, launch_cluster, patch_on_import, real_adapters, write_adapter
 
 from ipc.messages import StepResult
 from scheduler_proc.main import DivergenceError, check_digests
@@ -79,13 +79,13 @@ def test_check_digests_names_the_diverging_ranks():
     assert "rank 1" not in msg
 
 
-SABOTAGE = textwrap.dedent(
-    '''
+SABOTAGE = patch_on_import(
+    "gpu_worker.lora_pool",
+    textwrap.dedent(
+        '''
     """Test-only hook: on TP rank $LOOM_TEST_SABOTAGE_RANK, LoraPool fills free slots from the highest index
     and refuses to load adapters whose name starts with "fail"."""
-    import importlib.machinery
     import os
-    import sys
 
     _RANK = int(os.environ.get("LOOM_TEST_SABOTAGE_RANK", "-1"))
 
@@ -114,27 +114,8 @@ SABOTAGE = textwrap.dedent(
                     self.slot_uid[i] = None
 
         mod.LoraPool._ensure_slot = _ensure_slot
-
-
-    class _Hook:
-        def find_spec(self, name, path, target=None):
-            if name != "gpu_worker.lora_pool":
-                return None
-            sys.meta_path.remove(self)
-            spec = importlib.machinery.PathFinder.find_spec(name, path)
-            run = spec.loader.exec_module
-
-            def exec_module(module):
-                run(module)
-                _patch(module)
-
-            spec.loader.exec_module = exec_module
-            return spec
-
-
-    if _RANK >= 0:
-        sys.meta_path.insert(0, _Hook())
     '''
+    ),
 )
 
 

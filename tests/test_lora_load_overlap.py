@@ -9,13 +9,13 @@ import threading
 import time
 
 import pytest
-from lora_helpers import greedy, launch_cluster, real_adapters
+from lora_helpers import greedy, launch_cluster, patch_on_import, real_adapters
 
 # Test-only hook: adapter files under a folder named "slow-*" count as not cached and take SLOW_S to read.
-SLOW_READS = textwrap.dedent(
-    """
-    import importlib.machinery
-    import sys
+SLOW_READS = patch_on_import(
+    "gpu_worker.lora_reader",
+    textwrap.dedent(
+        """
     import time
 
     SLOW_S = 3.0
@@ -33,26 +33,8 @@ SLOW_READS = textwrap.dedent(
             return read(folder)
 
         mod.in_page_cache, mod.read_weights_file = in_page_cache, read_weights_file
-
-
-    class _Hook:
-        def find_spec(self, name, path, target=None):
-            if name != "gpu_worker.lora_reader":
-                return None
-            sys.meta_path.remove(self)
-            spec = importlib.machinery.PathFinder.find_spec(name, path)
-            run = spec.loader.exec_module
-
-            def exec_module(module):
-                run(module)
-                _patch(module)
-
-            spec.loader.exec_module = exec_module
-            return spec
-
-
-    sys.meta_path.insert(0, _Hook())
     """
+    ),
 )
 SLOW_S = 3.0
 
