@@ -171,15 +171,16 @@ def evicting_page_cache(folders: list[Path], period_s: float = 0.1) -> Iterator[
                     os.close(fd)
             stop.wait(period_s)
 
+    if not folders:
+        yield
+        return
     t = threading.Thread(target=evict, daemon=True)
-    if folders:
-        t.start()
+    t.start()
     try:
         yield
     finally:
         stop.set()
-        if folders:
-            t.join()
+        t.join()
 
 
 def log_counts(log_path: Path) -> tuple[int, int]:
