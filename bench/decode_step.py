@@ -212,6 +212,7 @@ def main() -> None:
             + " per step; LoRA/base throughput: "
             + " ".join(f"{m} {ms['base'] / ms[m]:.2f}" for m in modes[:2] if m in ms and "base" in ms)
         )
+        print(lora_bounds_line(model_path, ads, lora_of, a, ms.get("base")))
     if a.int4_ab:
         amx_ms, torch_ms = (statistics.median(by_int4[m]) * 1e3 for m in ("c", "torch"))
         speedup = torch_ms / amx_ms
@@ -237,6 +238,24 @@ def main() -> None:
                 step(k)
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
     tempfile.gettempdir()
+
+
+def lora_bounds_line(model_path: str, ads: dict, lora_of: list, a, base_ms: float | None) -> str:
+    """The step's mixed/base ceilings (bench/lora_bounds.py), with the measured base step and plain-sum bandwidth."""
+    import json
+
+    import torch
+    from lora_bounds import adapter_params, batch_bounds, describe, plain_sum_gbps
+
+    if a.quantization != "none":
+        return f"(mixed/base ceilings are printed for --quantization none only; this run: {a.quantization})"
+    names = {f"u{i:04d}": name for i, name in enumerate(sorted(ads))}
+    params = {name: adapter_params(ads[name]) for name in ads}
+    bounds = batch_bounds(
+        json.loads((Path(model_path) / "config.json").read_text()), params, [names.get(u) for u in lora_of]
+    )
+    elem = torch.empty(0, dtype=getattr(torch, a.dtype)).element_size()
+    return describe(bounds, elem, base_ms, plain_sum_gbps())
 
 
 if __name__ == "__main__":

@@ -172,6 +172,12 @@ def main() -> None:
     print(f"{'':<28}{'tok/s':>10}{'/ Loom base':>13}{'Loom LoRA / it':>16}")
     for name, v in rows:
         print(f"{name:<28}{v:>10.1f}{v / base:>13.2f}{mixed / v:>16.2f}")
+    if a.quantization == "none":  # what a decode step of all the requests can cost at best (bench/lora_bounds.py)
+        from lora_bounds import adapter_params, batch_bounds, describe
+
+        cfg = json.loads((Path(model_path) / "config.json").read_text())
+        bounds = batch_bounds(cfg, {n: adapter_params(adapters[n]) for n in names}, loras)
+        print(describe(bounds, 4 if a.dtype == "float32" else 2))
     print(f"load average at the end: {loadavg()}")
 
 
