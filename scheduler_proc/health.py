@@ -6,7 +6,9 @@ answering; :func:`batch_stats` and :func:`count_evictions` read the scheduler's 
 An idle rank sends nothing, so "answered recently" needs a probe: a :class:`~ipc.messages.WorkerPing`, which
 every rank answers at once with a :class:`~ipc.messages.WorkerPong` and which changes nothing on it. A probe
 is sent only while no step or LoRA command is outstanding (so it never waits behind real work, which has its own
-timeouts); a rank that leaves one unanswered for ``PROBE_TIMEOUT_S`` counts as unresponsive until it answers.
+timeouts); a rank that leaves one unanswered for ``PROBE_TIMEOUT_S`` counts as unresponsive until it answers,
+and one that leaves it unanswered for ``--hang-timeout`` is taken as hung and its TP group replaced (an idle rank
+answers in milliseconds, so waiting for a request's ``--step-timeout`` would only make that request wait).
 """
 
 from __future__ import annotations
@@ -78,6 +80,10 @@ class RankLiveness:
             for r in range(self.tp_size)
             if r not in self.probe_answered
         }
+
+    def probe_waited(self) -> float:
+        """Seconds the probe in flight has waited for its last answer (0.0 when none is in flight)."""
+        return 0.0 if self.probe_op is None else time.monotonic() - self.probe_sent
 
     def silence(self) -> list[float]:
         """Seconds since each rank last answered, in rank order."""

@@ -148,3 +148,24 @@ def test_tp1_kill_resumes_then_a_crash_loop_stops_the_cluster(tmp_path):
             assert not pid_alive(pid), f"{name} survived"
         assert not h.front_path.exists() and not h.socket_dir.exists()
     assert not Path(h.log_path).parent.joinpath("front.sock").exists()
+
+
+def test_idle_rank_that_stops_answering_probes_is_replaced_before_any_request(tmp_path):
+    """A rank frozen while idle (SIGSTOP) is replaced after --hang-timeout of unanswered liveness probes, so
+    the next request runs on the new group at once instead of waiting out its own --step-timeout."""
+    flags = ["--max-total-tokens", "2048", "--hang-timeout", "3", "--step-timeout", "60"]
+    sp = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
+    with launch_cluster(tmp_path / "cluster", *flags) as h:
+        with LoomClient(h.endpoint, timeout_s=60) as c:
+            ref = c.generate(text=PROMPTS[0], sampling_params=sp)["text"]
+        kill(h, "gpu_worker[0]", signal.SIGSTOP)()
+        deadline = time.monotonic() + 30
+        while "left a liveness probe unanswered" not in h.log() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        log = h.log()
+        assert "idle TP ranks [0] left a liveness probe unanswered" in log, log[-3000:]
+        t = time.monotonic()
+        with LoomClient(h.endpoint, timeout_s=60) as c:
+            assert c.generate(text=PROMPTS[0], sampling_params=sp)["text"] == ref
+        assert time.monotonic() - t < 30, "the request waited for a step timeout"
+        assert "step timed out" not in h.log()
