@@ -40,9 +40,11 @@ from ipc.config import ServerArgs
 from ipc.lora_config import (
     LLAMA_LORA_MODULES,
     LORA_RANK_UNIT,
+    WEIGHTS_FILE,
     adapter_content_hash,
     lora_rows,
     read_adapter_config,
+    read_adapter_file,
 )
 from ipc.messages import AdapterState
 from ipc.model_config import ModelConfig
@@ -123,6 +125,8 @@ class LoraPool:
     ) -> None:
         self.cfg, self.plan, self.dtype, self.device = cfg, plan, dtype, device
         self.max_rank = args.max_lora_rank
+        # --lora-root, checked again on every file a load opens (the front door checked the path before sending)
+        self.root = args.lora_root or None
         self.slot_size = lora_rows(self.max_rank)  # rank rows of one adapter at --max-lora-rank
         self.policy = args.lora_eviction_policy
         if self.policy not in ("lru", "fifo"):
@@ -312,14 +316,16 @@ class LoraPool:
         if uid in self.host:
             return self.host[uid].content_hash
         if data is None:
-            data = read_weights_file(path)
-        content_hash = adapter_content_hash(path, name, data)
+            data = read_weights_file(path, self.root)
+        if data is None:  # unreadable, or outside --lora-root: read again to say which
+            data = read_adapter_file(path, WEIGHTS_FILE, name, self.root)
+        content_hash = adapter_content_hash(path, name, data, self.root)
         if expect_hash and content_hash != expect_hash:
             raise LoraPoolError(
                 f"LoRA adapter {name}: the files in {path} changed since it was first loaded "
                 f"(sha256 {content_hash[:12]}… != {expect_hash[:12]}…)"
             )
-        acfg = read_adapter_config(path, name, tie_word_embeddings=self.cfg.tie_word_embeddings)
+        acfg = read_adapter_config(path, name, tie_word_embeddings=self.cfg.tie_word_embeddings, root=self.root)
         weights = read_adapter(path, name, acfg, self.cfg, self.plan, self.max_rank, self.dtype, data)
         extra = sorted({run.module for run in weights} - set(self.targets))
         if extra:

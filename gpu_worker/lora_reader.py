@@ -26,16 +26,16 @@ from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
-from ipc.lora_config import WEIGHTS_FILE
+from ipc.lora_config import WEIGHTS_FILE, LoraConfigError, read_adapter_file
 from ipc.messages import WorkerLoraLoad
 
 
-def read_weights_file(folder: str | Path) -> bytes | None:
-    """The bytes of ``folder``'s adapter weights file, or None when it cannot be read (the caller's content hash
-    then names the problem: :func:`ipc.lora_config.adapter_content_hash`)."""
+def read_weights_file(folder: str | Path, root: str | Path | None = None) -> bytes | None:
+    """The bytes of ``folder``'s adapter weights file, or None when it cannot be read or lies outside ``root``
+    (``--lora-root``; the caller reads again to name the problem: :func:`ipc.lora_config.read_adapter_file`)."""
     try:
-        return (Path(folder) / WEIGHTS_FILE).read_bytes()
-    except (OSError, MemoryError):
+        return read_adapter_file(folder, WEIGHTS_FILE, "", root)
+    except (LoraConfigError, MemoryError):
         return None
 
 
@@ -70,7 +70,8 @@ class AdapterReader:
     first one still reading, and :meth:`drain` waits for all of them. A read that fails hands back None.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, root: str | Path | None = None) -> None:
+        self._root = root  # --lora-root: files outside it are not read (the load then names why)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="lora-read")
         self._pending: deque[tuple[WorkerLoraLoad, Future[bytes | None]]] = deque()
         self._wake_r, self._wake_w = os.pipe()
@@ -91,9 +92,9 @@ class AdapterReader:
         is then ready before the loop's next step, as if read in line), else on the reader thread."""
         if in_page_cache(Path(msg.path) / WEIGHTS_FILE):
             fut: Future[bytes | None] = Future()
-            fut.set_result(read_weights_file(msg.path))
+            fut.set_result(read_weights_file(msg.path, self._root))
         else:
-            fut = self._pool.submit(read_weights_file, msg.path)
+            fut = self._pool.submit(read_weights_file, msg.path, self._root)
         fut.add_done_callback(self._wake)
         self._pending.append((msg, fut))
 

@@ -124,7 +124,7 @@ def main() -> None:
         failed(ctx, args.endpoints.control, name, f"{type(e).__name__}: {e}")
         ctx.destroy(0)
         raise SystemExit(1) from None
-    reader = AdapterReader()
+    reader = AdapterReader(args.lora_root or None)
     poller = zmq.Poller()
     poller.register(sock, zmq.POLLIN)
     poller.register(reader, zmq.POLLIN)

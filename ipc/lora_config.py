@@ -13,7 +13,9 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 import re
+import stat
 from pathlib import Path
 from typing import Union
 
@@ -147,13 +149,68 @@ def _refuse(name: str, field: str, value: object, why: str) -> LoraConfigError:
     return LoraConfigError(f"LoRA adapter {name}: {CONFIG_FILE} field {field}={value!r} is not supported: {why}")
 
 
-def read_adapter_config(folder: str | Path, name: str, *, tie_word_embeddings: bool | None = None) -> LoraAdapterConfig:
+def read_adapter_file(folder: str | Path, fname: str, name: str, root: str | Path | None = None) -> bytes:
+    """The bytes of ``folder/fname``, read through one file descriptor.
+
+    With ``root`` (``--lora-root``), the file that descriptor opened, every link followed, must lie inside it:
+    the front door checks the path before it sends a load, but a folder swapped for a link between that check
+    and a worker's read must not make the worker serve weights from outside (a new-user trial did that). The
+    check is on the open file itself (``/proc/self/fd``; elsewhere the resolved path must be the same inode),
+    so nothing can change between the check and the read.
+
+    Raises:
+        LoraConfigError: naming the adapter and the file: missing, not a regular file, outside ``root``, or
+            unreadable.
+    """
+    path = Path(folder) / fname
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO swapped in must not block the worker
+    except FileNotFoundError:
+        raise LoraConfigError(f"LoRA adapter {name}: {path} is missing") from None
+    except OSError as e:
+        raise LoraConfigError(f"LoRA adapter {name}: cannot read {path}: {e.strerror or e}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise LoraConfigError(f"LoRA adapter {name}: {path} is not a regular file")
+        if root is not None:
+            real = _opened_path(fd, path, st)
+            top = Path(root).resolve()
+            if real is None or not real.is_relative_to(top):
+                where = f"resolves to {real}" if real is not None else "changed while it was opened"
+                raise LoraConfigError(f"LoRA adapter {name}: {path} {where}, outside the allowed root {top}")
+        with os.fdopen(os.dup(fd), "rb") as f:
+            return f.read()
+    except OSError as e:
+        raise LoraConfigError(f"LoRA adapter {name}: cannot read {path}: {e.strerror or e}") from None
+    finally:
+        os.close(fd)
+
+
+def _opened_path(fd: int, path: Path, st: os.stat_result) -> Path | None:
+    """The path of the file open as ``fd`` (links resolved), or None when it cannot be told for certain."""
+    proc = Path(f"/proc/self/fd/{fd}")
+    try:
+        return Path(os.readlink(proc))
+    except OSError:
+        real = path.resolve()
+        try:
+            same = os.stat(real)
+        except OSError:
+            return None
+        return real if (same.st_dev, same.st_ino) == (st.st_dev, st.st_ino) else None
+
+
+def read_adapter_config(
+    folder: str | Path, name: str, *, tie_word_embeddings: bool | None = None, root: str | Path | None = None
+) -> LoraAdapterConfig:
     """Read ``folder/adapter_config.json``.
 
     ``target_modules`` may be a list of names or dotted suffixes, a regex full-matched against module paths, or
     PEFT's ``"all-linear"`` (any case): every linear layer but the output head, i.e. all seven per-layer Llama
     linears. ``tie_word_embeddings`` (the base model's, when the caller knows it) only shapes the wording of
-    the refusal of ``lm_head`` / ``embed_tokens`` targets.
+    the refusal of ``lm_head`` / ``embed_tokens`` targets. ``root``: the file must lie inside it when read
+    (:func:`read_adapter_file`).
 
     Raises:
         LoraConfigError: naming the adapter and the file or field: missing folder or files, bad JSON, a
@@ -173,8 +230,8 @@ def read_adapter_config(folder: str | Path, name: str, *, tie_word_embeddings: b
         extra = " (.bin/pickle weights are never opened)" if (d / "adapter_model.bin").exists() else ""
         raise LoraConfigError(f"LoRA adapter {name}: {d / WEIGHTS_FILE} is missing{extra}")
     try:
-        raw = json.loads(cfg_path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raw = json.loads(read_adapter_file(d, CONFIG_FILE, name, root).decode())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise LoraConfigError(f"LoRA adapter {name}: {cfg_path} is not valid JSON: {e}") from None
     if not isinstance(raw, dict):
         raise LoraConfigError(f"LoRA adapter {name}: {cfg_path} must hold a JSON object")
@@ -263,12 +320,15 @@ def read_adapter_config(folder: str | Path, name: str, *, tie_word_embeddings: b
     )
 
 
-def adapter_content_hash(folder: str | Path, name: str, weights: bytes | None = None) -> str:
+def adapter_content_hash(
+    folder: str | Path, name: str, weights: bytes | None = None, root: str | Path | None = None
+) -> str:
     """sha256 (hex) of an adapter's ``adapter_config.json`` and ``adapter_model.safetensors`` bytes.
 
     Recorded at an adapter's first load, so that a restore after a worker restart can tell whether the folder
     still holds the same adapter (same uid, same weights) or was changed or removed since. ``weights``: the
     weights file's content, when the caller read it already (so the hash covers the very bytes it loads).
+    ``root``: each file read must lie inside it (:func:`read_adapter_file`).
 
     Raises:
         LoraConfigError: a file is missing or unreadable (naming the adapter and the file).
@@ -279,6 +339,9 @@ def adapter_content_hash(folder: str | Path, name: str, weights: bytes | None = 
         h.update(fname.encode() + b"\0")
         if fname == WEIGHTS_FILE and weights is not None:
             h.update(weights)
+            continue
+        if root is not None:  # the registry's own checks (no root) stream; a worker reads through one descriptor
+            h.update(read_adapter_file(folder, fname, name, root))
             continue
         try:
             with path.open("rb") as f:

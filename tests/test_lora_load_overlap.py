@@ -27,10 +27,10 @@ SLOW_READS = patch_on_import(
         def in_page_cache(path):
             return False if "/slow-" in str(path) else cached(path)
 
-        def read_weights_file(folder):
+        def read_weights_file(folder, root=None):
             if "/slow-" in str(folder):
                 time.sleep(SLOW_S)
-            return read(folder)
+            return read(folder, root)
 
         mod.in_page_cache, mod.read_weights_file = in_page_cache, read_weights_file
     """

@@ -465,3 +465,46 @@ def test_an_unknown_target_module_is_refused_not_dropped():
     args = server_args(enable_lora=True, lora_target_modules=["q_proj", "o_proj,down_proj"], lora_backend="torch")
     with pytest.raises(ValueError, match=r"unknown modules \['o_proj,down_proj'\]"):
         LoraPool(args, TINY, plan_for_model(TINY, 1, 0), torch.float32, torch.device("cpu"))
+
+
+def test_worker_refuses_files_outside_the_lora_root_whatever_the_path_says(tmp_path):
+    """The front door checks a path against --lora-root before it sends a load, but a folder swapped for a link
+    after that check must not make a worker read from outside: each file's open descriptor is checked."""
+    import os
+
+    from gpu_worker.lora_reader import AdapterReader
+    from ipc.lora_config import LoraConfigError
+    from ipc.messages import WorkerLoraLoad
+
+    root, outside = tmp_path / "root", tmp_path / "outside"
+    write_adapter(root / "inside", r=4, seed=1)
+    write_adapter(outside / "evil", r=4, seed=2)
+    (root / "swapped").symlink_to(outside / "evil")  # as if swapped in after the front door's check
+    write_adapter(root / "halfway", r=4, seed=3)
+    (root / "halfway" / "adapter_model.safetensors").unlink()
+    (root / "halfway" / "adapter_model.safetensors").symlink_to(outside / "evil" / "adapter_model.safetensors")
+    write_adapter(root / "fifo", r=4, seed=4)
+    (root / "fifo" / "adapter_config.json").unlink()
+    os.mkfifo(root / "fifo" / "adapter_config.json")  # must be refused, never block the worker
+
+    pool = tiny_pool()
+    pool.root = str(root)
+    pool.load("ok", "ok", str(root / "inside"))
+    for name in ("swapped", "halfway"):
+        with pytest.raises(LoraConfigError, match=f"{name}/adapter_.* resolves to .*outside the allowed root"):
+            pool.load(name, name, str(root / name))
+        assert name not in pool.host
+    with pytest.raises(LoraConfigError, match="adapter_config.json is not a regular file"):
+        pool.load("fifo", "fifo", str(root / "fifo"))
+
+    reader = AdapterReader(str(root))  # the worker's off-loop read hands back nothing for an outside file
+    try:
+        reader.submit(WorkerLoraLoad(1, "u1", "swapped", str(root / "swapped")))
+        reader.submit(WorkerLoraLoad(2, "u2", "inside", str(root / "inside")))
+        (_, swapped), (_, inside) = reader.drain()
+        assert swapped is None and inside == (root / "inside" / "adapter_model.safetensors").read_bytes()
+    finally:
+        reader.close()
+
+    open_pool = tiny_pool()  # without --lora-root links are followed as before
+    open_pool.load("swapped", "swapped", str(root / "swapped"))

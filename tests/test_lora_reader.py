@@ -26,17 +26,35 @@ def _folder(tmp_path: Path, name: str, content: bytes | None) -> Path:
     return d
 
 
+@pytest.fixture
+def slow_files(monkeypatch):
+    """A read of an empty weights file waits until something is written to it, and such a file never counts as
+    cached: a read that lasts as long as the test wants. (A FIFO did this once; the worker now refuses FIFOs.)"""
+    import gpu_worker.lora_reader as lr
+
+    real_read, real_cached = lr.read_adapter_file, lr.in_page_cache
+
+    def read(folder, fname, name, root=None):
+        path, deadline = Path(folder) / fname, time.monotonic() + 30
+        while path.is_file() and path.stat().st_size == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return real_read(folder, fname, name, root)
+
+    monkeypatch.setattr(lr, "read_adapter_file", read)
+    monkeypatch.setattr(lr, "in_page_cache", lambda p: p.is_file() and p.stat().st_size > 0 and real_cached(p))
+
+
 def _readable(fd: int, timeout: float) -> bool:
     return bool(select.select([fd], [], [], timeout)[0])
 
 
-def test_a_slow_read_blocks_neither_the_caller_nor_the_order(tmp_path):
-    slow, fast = _folder(tmp_path, "slow", None), _folder(tmp_path, "fast", b"fast bytes")
+def test_a_slow_read_blocks_neither_the_caller_nor_the_order(tmp_path, slow_files):
+    slow, fast = _folder(tmp_path, "slow", b""), _folder(tmp_path, "fast", b"fast bytes")
     reader = AdapterReader()
     try:
         a = WorkerLoraLoad(1, "u1", "slow", str(slow))
         b = WorkerLoraLoad(2, "u2", "fast", str(fast))
-        reader.submit(a)  # returns at once although nothing can be read from the FIFO yet
+        reader.submit(a)  # returns at once although nothing can be read yet
         reader.submit(b)  # a cached file: read at once
         assert len(reader) == 2
         time.sleep(0.2)
@@ -57,8 +75,8 @@ def test_a_slow_read_blocks_neither_the_caller_nor_the_order(tmp_path):
         reader.close()
 
 
-def test_drain_waits_for_every_read_in_order(tmp_path):
-    slow = _folder(tmp_path, "slow", None)
+def test_drain_waits_for_every_read_in_order(tmp_path, slow_files):
+    slow = _folder(tmp_path, "slow", b"")
     reader = AdapterReader()
     try:
         msgs = [WorkerLoraLoad(1, "u1", "slow", str(slow))]
@@ -90,8 +108,8 @@ def test_an_unreadable_file_comes_back_as_none(tmp_path):
         reader.close()
 
 
-def test_close_with_a_read_in_flight_raises_nothing(tmp_path):
-    slow = _folder(tmp_path, "slow", None)
+def test_close_with_a_read_in_flight_raises_nothing(tmp_path, slow_files):
+    slow = _folder(tmp_path, "slow", b"")
     reader = AdapterReader()
     reader.submit(WorkerLoraLoad(1, "u1", "slow", str(slow)))
     reader.close()  # the read still blocks; its wake-up later meets a closed pipe and is dropped
@@ -122,4 +140,5 @@ def test_a_cached_file_is_read_at_once_and_an_evicted_one_on_the_thread(tmp_path
         reader.close()
     fifo = _folder(tmp_path, "fifo", None) / WEIGHTS_FILE
     assert not in_page_cache(fifo)  # returns at once: a FIFO is never read in line
+    assert read_weights_file(fifo.parent) is None  # nor read at all (it could block the worker for ever)
     assert not in_page_cache(tmp_path / "missing")
