@@ -165,8 +165,6 @@ def read_adapter_file(folder: str | Path, fname: str, name: str, root: str | Pat
     path = Path(folder) / fname
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO swapped in must not block the worker
-    except FileNotFoundError:
-        raise LoraConfigError(f"LoRA adapter {name}: {path} is missing") from None
     except OSError as e:
         raise LoraConfigError(f"LoRA adapter {name}: cannot read {path}: {e.strerror or e}") from None
     try:

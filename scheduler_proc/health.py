@@ -7,8 +7,8 @@ An idle rank sends nothing, so "answered recently" needs a probe: a :class:`~ipc
 every rank answers at once with a :class:`~ipc.messages.WorkerPong` and which changes nothing on it. A probe
 is sent only while no step or LoRA command is outstanding (so it never waits behind real work, which has its own
 timeouts); a rank that leaves one unanswered for ``PROBE_TIMEOUT_S`` counts as unresponsive until it answers,
-and one that leaves it unanswered for ``--hang-timeout`` is taken as hung and its TP group replaced (an idle rank
-answers in milliseconds, so waiting for a request's ``--step-timeout`` would only make that request wait).
+and one that leaves it unanswered for ``--step-timeout`` (the limit of a step, and a probe is a step with no work)
+is taken as hung and its TP group replaced before any request has to wait for it.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from ipc.messages import WorkerPing
 
 PROBE_INTERVAL_S = 1.0  # an idle TP group is probed this often
 PROBE_TIMEOUT_S = 3.0  # a rank that leaves a probe unanswered this long counts as unresponsive
+LOOP_STALL_S = 1.0  # a scheduler loop turn longer than this is the scheduler's own stall, not the ranks' silence
 BEAT_INTERVAL_S = 1.0  # how often the scheduler sends SchedulerBeat to the front door
 
 
@@ -80,6 +81,11 @@ class RankLiveness:
             for r in range(self.tp_size)
             if r not in self.probe_answered
         }
+
+    def discount(self, seconds: float) -> None:
+        """Do not count ``seconds`` (> 0) against the probe in flight: the scheduler was not reading meanwhile."""
+        if seconds > 0 and self.probe_op is not None:
+            self.probe_sent += seconds
 
     def probe_waited(self) -> float:
         """Seconds the probe in flight has waited for its last answer (0.0 when none is in flight)."""

@@ -48,7 +48,7 @@ from ipc.messages import (
 from ipc.model_config import load_model_config
 from ipc.proc import StopRequested, begin_cleanup, child_setup
 from ipc.sockets import CONTROL_CODEC, UNBOUNDED, HeartbeatSender, failed, make_socket, ready
-from scheduler_proc.health import BEAT_INTERVAL_S, FirstReady, RankLiveness, batch_stats, count_evictions
+from scheduler_proc.health import BEAT_INTERVAL_S, LOOP_STALL_S, FirstReady, RankLiveness, batch_stats, count_evictions
 from scheduler_proc.lora_ops import LoadedAdapter, LoraOps
 from scheduler_proc.recovery import GroupRecovery, RestoreOutcome
 from scheduler_proc.scheduler import Scheduler
@@ -115,6 +115,7 @@ class SchedulerLoop:
         self.front_incarnation: str | None = None
         self.restarts: dict[str, int] = dict(restarts or {})
         self.liveness = RankLiveness(args.tp_size)  # heartbeats for the front door's /health
+        self.last_timeout_check = time.monotonic()
         self.last_beat = 0.0
         self.slot_evictions = 0  # adapters evicted from a slot on rank 0 (for /metrics)
         self.orphan_ops: set[int] = set()  # LoRA commands of a dead front door still at the ranks
@@ -455,6 +456,10 @@ class SchedulerLoop:
     # ------------------------------------------------------------------ hang detection
     def _check_timeouts(self) -> None:
         now = time.monotonic()
+        # a scheduler that itself stalled (a long start-up step, a busy machine) has not read the pongs meanwhile:
+        # that time does not count against the ranks
+        self.liveness.discount(now - self.last_timeout_check - LOOP_STALL_S)
+        self.last_timeout_check = now
         rec = self.recovery
         if self.in_flight and now - self.step_started > self.step_deadline_s:
             missing = sorted(set(range(self.args.tp_size)) - set(self.results))
@@ -468,11 +473,11 @@ class SchedulerLoop:
             late = self.ops.overdue(self.args.lora_op_timeout_s)
             if late is not None:
                 self._request_restart(f"LoRA operation {late} got no answer in {self.args.lora_op_timeout_s:.0f} s")
-            elif self.liveness.probe_waited() > self.args.hang_timeout_s:
+            elif self.liveness.probe_waited() > self.args.step_timeout_s:
                 silent = [r for r in range(self.args.tp_size) if r not in self.liveness.probe_answered]
                 self._request_restart(
                     f"idle TP ranks {silent} left a liveness probe unanswered for "
-                    f"{self.liveness.probe_waited():.1f} s (--hang-timeout {self.args.hang_timeout_s:g})"
+                    f"{self.liveness.probe_waited():.1f} s (--step-timeout {self.args.step_timeout_s:g})"
                 )
 
     # ------------------------------------------------------------------ health

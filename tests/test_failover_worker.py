@@ -151,9 +151,9 @@ def test_tp1_kill_resumes_then_a_crash_loop_stops_the_cluster(tmp_path):
 
 
 def test_idle_rank_that_stops_answering_probes_is_replaced_before_any_request(tmp_path):
-    """A rank frozen while idle (SIGSTOP) is replaced after --hang-timeout of unanswered liveness probes, so
-    the next request runs on the new group at once instead of waiting out its own --step-timeout."""
-    flags = ["--max-total-tokens", "2048", "--hang-timeout", "3", "--step-timeout", "60"]
+    """A rank frozen while idle (SIGSTOP) is replaced after --step-timeout of unanswered liveness probes, so
+    the next request runs on the new group at once instead of waiting out a step timeout of its own."""
+    flags = ["--max-total-tokens", "2048", "--step-timeout", "3"]
     sp = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
     with launch_cluster(tmp_path / "cluster", *flags) as h:
         with LoomClient(h.endpoint, timeout_s=60) as c:
