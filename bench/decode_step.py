@@ -242,18 +242,16 @@ def main() -> None:
 
 def lora_bounds_line(model_path: str, ads: dict, lora_of: list, a, base_ms: float | None) -> str:
     """The step's mixed/base ceilings (bench/lora_bounds.py), with the measured base step and plain-sum bandwidth."""
-    import json
-
     import torch
     from lora_bounds import adapter_params, batch_bounds, describe, plain_sum_gbps
+
+    from ipc.model_config import load_model_config
 
     if a.quantization != "none":
         return f"(mixed/base ceilings are printed for --quantization none only; this run: {a.quantization})"
     names = {f"u{i:04d}": name for i, name in enumerate(sorted(ads))}
     params = {name: adapter_params(ads[name]) for name in ads}
-    bounds = batch_bounds(
-        json.loads((Path(model_path) / "config.json").read_text()), params, [names.get(u) for u in lora_of]
-    )
+    bounds = batch_bounds(load_model_config(model_path), params, [names.get(u) for u in lora_of])
     elem = torch.empty(0, dtype=getattr(torch, a.dtype)).element_size()
     return describe(bounds, elem, base_ms, plain_sum_gbps())
 

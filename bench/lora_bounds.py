@@ -18,21 +18,22 @@ import json
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ipc.model_config import ModelConfig
 
 
-def base_linear_params(config: dict) -> int:
+def base_linear_params(cfg: ModelConfig) -> int:
     """Weights one decode row multiplies by in the base model: the 7 linears of every layer plus the LM head.
 
-    ``config`` is a Llama-family ``config.json`` as a dict. Returns a count of weights (each one multiply-add
-    per row). Embedding lookups and norms are not counted (they read a row or a vector, not a matrix).
+    ``cfg``: the model's :class:`~ipc.model_config.ModelConfig` (``load_model_config``). Returns a count of
+    weights (each one multiply-add per row). Embedding lookups and norms are not counted (they read a row or a
+    vector, not a matrix).
     """
-    h, inter, layers = config["hidden_size"], config["intermediate_size"], config["num_hidden_layers"]
-    heads = config["num_attention_heads"]
-    kv_heads = config.get("num_key_value_heads", heads)
-    head_dim = config.get("head_dim") or h // heads
-    q, kv = heads * head_dim, kv_heads * head_dim
-    per_layer = h * q + 2 * h * kv + q * h + 3 * h * inter
-    return layers * per_layer + config["vocab_size"] * h
+    h, q, kv = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    per_layer = h * q + 2 * h * kv + q * h + 3 * h * cfg.intermediate_size
+    return cfg.num_layers * per_layer + cfg.vocab_size * h
 
 
 def adapter_params(folder: str | Path) -> int:
@@ -58,7 +59,7 @@ def adapter_params(folder: str | Path) -> int:
     return total
 
 
-def batch_bounds(config: dict, adapters: dict[str, int], row_adapters: Sequence[str | None]) -> dict[str, float]:
+def batch_bounds(cfg: ModelConfig, adapters: dict[str, int], row_adapters: Sequence[str | None]) -> dict[str, float]:
     """FLOP and byte ceilings of mixed / base throughput for one decode step (see the module docstring).
 
     ``adapters`` maps name -> weight count (:func:`adapter_params`); ``row_adapters`` gives each row's adapter
@@ -67,7 +68,7 @@ def batch_bounds(config: dict, adapters: dict[str, int], row_adapters: Sequence[
 
     Raises ``KeyError`` for a row naming an adapter not in ``adapters``.
     """
-    base = base_linear_params(config)
+    base = base_linear_params(cfg)
     rows = len(row_adapters)
     lora_macs = sum(adapters[n] for n in row_adapters if n is not None)
     read = sum(adapters[n] for n in set(row_adapters) if n is not None)

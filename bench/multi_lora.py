@@ -175,8 +175,9 @@ def main() -> None:
     if a.quantization == "none":  # what a decode step of all the requests can cost at best (bench/lora_bounds.py)
         from lora_bounds import adapter_params, batch_bounds, describe
 
-        cfg = json.loads((Path(model_path) / "config.json").read_text())
-        bounds = batch_bounds(cfg, {n: adapter_params(adapters[n]) for n in names}, loras)
+        from ipc.model_config import load_model_config
+
+        bounds = batch_bounds(load_model_config(model_path), {n: adapter_params(adapters[n]) for n in names}, loras)
         print(describe(bounds, 4 if a.dtype == "float32" else 2))
     print(f"load average at the end: {loadavg()}")
 

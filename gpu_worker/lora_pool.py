@@ -38,6 +38,7 @@ from gpu_worker.timing import agreed_choice, best_time
 from gpu_worker.tp_plan import ShardPlan
 from ipc.config import ServerArgs
 from ipc.lora_config import (
+    CONFIG_FILE,
     LLAMA_LORA_MODULES,
     LORA_RANK_UNIT,
     WEIGHTS_FILE,
@@ -319,13 +320,14 @@ class LoraPool:
             data = read_weights_file(path, self.root)
         if data is None:  # unreadable, or outside --lora-root: read again to say which
             data = read_adapter_file(path, WEIGHTS_FILE, name, self.root)
-        content_hash = adapter_content_hash(path, name, data, self.root)
+        config = read_adapter_file(path, CONFIG_FILE, name, self.root)  # read once: hashed and parsed
+        content_hash = adapter_content_hash(path, name, data, config)
         if expect_hash and content_hash != expect_hash:
             raise LoraPoolError(
                 f"LoRA adapter {name}: the files in {path} changed since it was first loaded "
                 f"(sha256 {content_hash[:12]}… != {expect_hash[:12]}…)"
             )
-        acfg = read_adapter_config(path, name, tie_word_embeddings=self.cfg.tie_word_embeddings, root=self.root)
+        acfg = read_adapter_config(path, name, tie_word_embeddings=self.cfg.tie_word_embeddings, raw_bytes=config)
         weights = read_adapter(path, name, acfg, self.cfg, self.plan, self.max_rank, self.dtype, data)
         extra = sorted({run.module for run in weights} - set(self.targets))
         if extra:

@@ -200,15 +200,19 @@ def _opened_path(fd: int, path: Path, st: os.stat_result) -> Path | None:
 
 
 def read_adapter_config(
-    folder: str | Path, name: str, *, tie_word_embeddings: bool | None = None, root: str | Path | None = None
+    folder: str | Path,
+    name: str,
+    *,
+    tie_word_embeddings: bool | None = None,
+    raw_bytes: bytes | None = None,
 ) -> LoraAdapterConfig:
     """Read ``folder/adapter_config.json``.
 
     ``target_modules`` may be a list of names or dotted suffixes, a regex full-matched against module paths, or
     PEFT's ``"all-linear"`` (any case): every linear layer but the output head, i.e. all seven per-layer Llama
     linears. ``tie_word_embeddings`` (the base model's, when the caller knows it) only shapes the wording of
-    the refusal of ``lm_head`` / ``embed_tokens`` targets. ``root``: the file must lie inside it when read
-    (:func:`read_adapter_file`).
+    the refusal of ``lm_head`` / ``embed_tokens`` targets. ``raw_bytes``: the config file's content when the
+    caller read it already (a worker reads it once, inside ``--lora-root``, and hashes and parses those bytes).
 
     Raises:
         LoraConfigError: naming the adapter and the file or field: missing folder or files, bad JSON, a
@@ -228,7 +232,7 @@ def read_adapter_config(
         extra = " (.bin/pickle weights are never opened)" if (d / "adapter_model.bin").exists() else ""
         raise LoraConfigError(f"LoRA adapter {name}: {d / WEIGHTS_FILE} is missing{extra}")
     try:
-        raw = json.loads(read_adapter_file(d, CONFIG_FILE, name, root).decode())
+        raw = json.loads((read_adapter_file(d, CONFIG_FILE, name) if raw_bytes is None else raw_bytes).decode())
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise LoraConfigError(f"LoRA adapter {name}: {cfg_path} is not valid JSON: {e}") from None
     if not isinstance(raw, dict):
@@ -319,14 +323,14 @@ def read_adapter_config(
 
 
 def adapter_content_hash(
-    folder: str | Path, name: str, weights: bytes | None = None, root: str | Path | None = None
+    folder: str | Path, name: str, weights: bytes | None = None, config: bytes | None = None
 ) -> str:
     """sha256 (hex) of an adapter's ``adapter_config.json`` and ``adapter_model.safetensors`` bytes.
 
     Recorded at an adapter's first load, so that a restore after a worker restart can tell whether the folder
     still holds the same adapter (same uid, same weights) or was changed or removed since. ``weights``: the
     weights file's content, when the caller read it already (so the hash covers the very bytes it loads).
-    ``root``: each file read must lie inside it (:func:`read_adapter_file`).
+    ``config``: the config file's content, likewise.
 
     Raises:
         LoraConfigError: a file is missing or unreadable (naming the adapter and the file).
@@ -335,11 +339,9 @@ def adapter_content_hash(
     for fname in (CONFIG_FILE, WEIGHTS_FILE):
         path = Path(folder) / fname
         h.update(fname.encode() + b"\0")
-        if fname == WEIGHTS_FILE and weights is not None:
-            h.update(weights)
-            continue
-        if root is not None:  # the registry's own checks (no root) stream; a worker reads through one descriptor
-            h.update(read_adapter_file(folder, fname, name, root))
+        given = weights if fname == WEIGHTS_FILE else config
+        if given is not None:
+            h.update(given)
             continue
         try:
             with path.open("rb") as f:

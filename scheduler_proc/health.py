@@ -76,11 +76,13 @@ class RankLiveness:
         waited = time.monotonic() - self.probe_sent
         if waited < PROBE_TIMEOUT_S:
             return {}
-        return {
-            r: f"TP rank {r} has not answered a liveness probe for {waited:.1f} s"
-            for r in range(self.tp_size)
-            if r not in self.probe_answered
-        }
+        return {r: f"TP rank {r} has not answered a liveness probe for {waited:.1f} s" for r in self.unanswered()}
+
+    def unanswered(self) -> list[int]:
+        """Ranks that have not answered the probe in flight (none when no probe is in flight)."""
+        if self.probe_op is None:
+            return []
+        return [r for r in range(self.tp_size) if r not in self.probe_answered]
 
     def discount(self, seconds: float) -> None:
         """Do not count ``seconds`` (> 0) against the probe in flight: the scheduler was not reading meanwhile."""

@@ -474,9 +474,8 @@ class SchedulerLoop:
             if late is not None:
                 self._request_restart(f"LoRA operation {late} got no answer in {self.args.lora_op_timeout_s:.0f} s")
             elif self.liveness.probe_waited() > self.args.step_timeout_s:
-                silent = [r for r in range(self.args.tp_size) if r not in self.liveness.probe_answered]
                 self._request_restart(
-                    f"idle TP ranks {silent} left a liveness probe unanswered for "
+                    f"idle TP ranks {self.liveness.unanswered()} left a liveness probe unanswered for "
                     f"{self.liveness.probe_waited():.1f} s (--step-timeout {self.args.step_timeout_s:g})"
                 )
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
@@ -12,6 +11,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 
 from lora_bounds import adapter_params, base_linear_params, batch_bounds  # noqa: E402
 from lora_helpers import real_adapters, real_model_path  # noqa: E402
+
+from ipc.model_config import load_model_config  # noqa: E402
 
 
 def test_base_weights_match_transformers_linear_count() -> None:
@@ -23,7 +24,7 @@ def test_base_weights_match_transformers_linear_count() -> None:
     with torch.device("meta"):  # shapes only
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(mp))
     linears = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
-    assert base_linear_params(json.loads((mp / "config.json").read_text())) == linears
+    assert base_linear_params(load_model_config(mp)) == linears
 
 
 @pytest.mark.parametrize("name", ["r8-all", "r32-qv", "r64-all"])
@@ -42,7 +43,7 @@ def test_adapter_weights_match_peft(name: str) -> None:
 
 def test_ceilings_from_counts() -> None:
     """Rows pay per row (FLOPs); adapters are read once per step however many rows use them (bytes)."""
-    cfg = json.loads((real_model_path() / "config.json").read_text())
+    cfg = load_model_config(real_model_path())
     base = base_linear_params(cfg)
     counts = {"a": base // 10, "b": base // 5}
     rows = ["a", "a", "a", None, "b", None]
