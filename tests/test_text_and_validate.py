@@ -142,6 +142,8 @@ def test_validate_prompt_ids():
         (GenerateReq(messages=[]), "messages is empty"),
         (GenerateReq(messages=[ChatMessage("user", "a"), ChatMessage("robot", "b")]), "messages[1].role='robot'"),
         (GenerateReq(text="a", lora_path=""), "lora_path must be a non-empty adapter name"),
+        (GenerateReq(text="a", allow_special_tokens_in_content=True), "applies to messages only"),
+        (GenerateReq(input_ids=[1], allow_special_tokens_in_content=True), "applies to messages only"),
     ],
 )
 def test_check_one_prompt(req, needle):

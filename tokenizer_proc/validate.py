@@ -133,7 +133,8 @@ def check_prompt_chars(
 def check_one_prompt(req: GenerateReq) -> None:
     """Raise BadRequest unless exactly one of text, input_ids, messages is given.
 
-    Also refuses an insane rid, chat roles other than system/user/assistant/tool and an empty ``lora_path``.
+    Also refuses an insane rid, chat roles other than system/user/assistant/tool, an empty ``lora_path`` and
+    ``allow_special_tokens_in_content`` on a prompt that has no chat content (it would do nothing there).
     """
     if req.rid is not None and not 0 < len(req.rid) <= MAX_RID_LEN:
         raise BadRequest(f"rid must be 1 to {MAX_RID_LEN} characters (got {len(req.rid)})", "rid")
@@ -151,3 +152,9 @@ def check_one_prompt(req: GenerateReq) -> None:
             )
     if req.lora_path is not None and not req.lora_path:
         raise BadRequest("lora_path must be a non-empty adapter name (or null for the base model)", "lora_path")
+    if req.allow_special_tokens_in_content and req.messages is None:
+        raise BadRequest(
+            "allow_special_tokens_in_content applies to messages only; a text prompt always recognises special "
+            "tokens and input_ids are used as given",
+            "allow_special_tokens_in_content",
+        )
