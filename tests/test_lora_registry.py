@@ -354,6 +354,34 @@ def test_pins_count_rank_rows_not_slots():
     assert reg.pin_refusal("p2", False, 64) is None  # unpinned loads are never refused for room
 
 
+def test_metrics_name_adapters_being_unloaded_not_their_uids():
+    """vLLM's ``lora_requests_info`` names the adapters of the scheduler's last heartbeat: one being unloaded (its
+    requests still run) or just gone (the heartbeat predates it) is named, not shown as its uid."""
+    from types import SimpleNamespace
+
+    from ipc.messages import SchedulerBeat
+    from tokenizer_proc.metrics import DoorCollector
+    from tokenizer_proc.registry import Entry, LoraRegistry
+
+    reg = LoraRegistry()
+    reg.loaded["a"] = Entry("a", "uid-a", "/x/a", 8, False)
+    reg.loaded["b"] = Entry("b", "uid-b", "/x/b", 8, False)
+    beat = SchedulerBeat("inc", 1, [], {}, running_lora_uids=["uid-a", "uid-b"], waiting_lora_uids=["uid-c"])
+    door = SimpleNamespace(registry=reg, health=SimpleNamespace(beat=beat, beat_wall_time=1.0),
+                           args=SimpleNamespace(max_loras_per_batch=4))  # fmt: skip
+    collector = DoorCollector.__new__(DoorCollector)
+    collector.door = door
+
+    def labels() -> dict[str, str]:
+        return collector._lora_info().samples[0].labels
+
+    reg.begin_unload("a")
+    assert labels()["running_lora_adapters"] == "a,b"
+    reg.finish_unload("a")
+    assert labels()["running_lora_adapters"] == "a,b"
+    assert labels()["waiting_lora_adapters"] == "uid-c"  # a uid the registry never had stays as it is
+
+
 def test_a_refused_start_up_adapter_stops_launch_in_one_line(tmp_path):
     """A pin that --max-loras-per-batch 1 cannot hold: launch exits non-zero naming the flag and the adapter, and
     the front door logs it without the Python traceback it used to print first."""

@@ -248,8 +248,9 @@ class DoorCollector:
             yield self._lora_info()
 
     def _names(self) -> dict[str, str]:
-        """uid -> adapter name for every adapter the registry holds."""
-        return {e.uid: e.name for e in self.door.registry.loaded.values()}
+        """uid -> adapter name for every adapter the registry holds, is loading or unloading, or lately dropped
+        (a request for an adapter being unloaded still runs under its uid)."""
+        return self.door.registry.uid_names()
 
     def _residency(self) -> Iterator[Metric]:
         reg = self.door.registry

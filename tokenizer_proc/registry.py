@@ -20,6 +20,7 @@ request, host-tier eviction, failover restore, adoption and loss) changes a name
 from __future__ import annotations
 
 import uuid
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -50,6 +51,8 @@ class AdapterRefused(ValueError):
 class IllegalTransition(RuntimeError):
     """A caller asked for a state change the name's current state does not allow (a bug, never a user error)."""
 
+
+RETIRED_NAMES = 256  # uids of departed adapters the registry still names (see LoraRegistry.uid_names)
 
 @dataclass
 class Entry:
@@ -134,6 +137,8 @@ class LoraRegistry:
         self.loaded: dict[str, Entry] = {}
         self.refs: dict[str, tuple[str, bool]] = {}  # name -> (path, pinned), kept after unload by eviction
         self.transitions: dict[str, Transition] = {}
+        # uid -> name of adapters that left the registry lately: a heartbeat sent before they left still lists them
+        self._retired: OrderedDict[str, str] = OrderedDict()
         self._clock = 0
 
     # ------------------------------------------------------------------ queries
@@ -253,6 +258,20 @@ class LoraRegistry:
         """A fresh uid for a load of ``name`` from ``path``."""
         return stable_uid(name, path) if deterministic else str(uuid.uuid4())
 
+    def uid_names(self) -> dict[str, str]:
+        """uid -> adapter name for every adapter loaded, loading or unloading, and the last
+        :data:`RETIRED_NAMES` that left (metrics name the uids a scheduler heartbeat lists)."""
+        names = dict(self._retired)
+        names.update((t.uid, n) for n, t in self.transitions.items())
+        names.update((e.uid, n) for n, e in self.loaded.items())
+        return names
+
+    def _retire(self, uid: str, name: str) -> None:
+        self._retired[uid] = name
+        self._retired.move_to_end(uid)
+        while len(self._retired) > RETIRED_NAMES:
+            self._retired.popitem(last=False)
+
     # ------------------------------------------------------------------ transitions
     def _expect(self, name: str, allowed: tuple[State, ...], what: str) -> State:
         st = self.state(name)
@@ -282,6 +301,8 @@ class LoraRegistry:
         if t is None or t.state != "loading":
             raise IllegalTransition(f"LoRA adapter {name}: no load in flight")
         del self.transitions[name]
+        if not ok or t.forget:
+            self._retire(t.uid, name)
         if t.kind == "restore":
             if ok and not t.forget:
                 return self.loaded[name]
@@ -309,6 +330,7 @@ class LoraRegistry:
         if t is None or t.state != "unloading":
             raise IllegalTransition(f"LoRA adapter {name}: no unload in flight")
         del self.transitions[name]
+        self._retire(t.uid, name)
         if t.kind == "unload" or t.forget:
             self.refs.pop(name, None)
         return self.state(name)
@@ -341,6 +363,8 @@ class LoraRegistry:
             return
         e = self.loaded.get(name)
         if e is None or e.uid == uid:
+            if e is not None:
+                self._retire(e.uid, name)
             self.loaded.pop(name, None)
             self.refs.pop(name, None)
 
