@@ -54,6 +54,7 @@ class IllegalTransition(RuntimeError):
 
 RETIRED_NAMES = 256  # uids of departed adapters the registry still names (see LoraRegistry.uid_names)
 
+
 @dataclass
 class Entry:
     """An adapter the registry holds (loaded on every rank's host tier)."""
