@@ -322,8 +322,10 @@ class SchedulerLoop:
                 if msg.op_id in self.orphan_ops:  # a dead front door's command changed the workers: say so
                     self.orphan_ops.discard(msg.op_id)
                     self._send_view()
-                if not result.ok and op is not None and isinstance(op.cmd, LoraLoadCmd) and op.cmd.content_hash:
-                    # a restore the registry asked for failed: the adapter is gone, its queued requests too
+                failed_load = not result.ok and op is not None and isinstance(op.cmd, LoraLoadCmd)
+                if failed_load and op.cmd.uid not in self.ops.loaded:
+                    # the adapter is not on the workers (a restore the registry asked for, or any load, failed):
+                    # requests queued for its uid while it loaded would wait for ever; they end as later ones do
                     names = [a.name for a in self.ops.loaded.values()]
                     self._emit(self.sched.fail_adapter(op.cmd.uid, never_loaded_message(op.cmd.name, names)))
                 self._to_front(result)

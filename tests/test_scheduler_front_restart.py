@@ -98,3 +98,26 @@ def test_a_command_already_at_the_ranks_finishes_and_sends_a_fresh_view(tmp_path
         assert not to_workers  # no rollback: both succeeded
     finally:
         close(ctx, tmp_path)
+
+
+def test_requests_queued_for_an_adapter_whose_load_fails_end_with_the_never_loaded_error(tmp_path):
+    """A request that reaches the scheduler while its adapter is loading waits for the load; if the load fails on
+    a rank (found by a storm trial: nothing ended such a request, which waited for ever), it ends with the
+    never-loaded error naming the adapter and the loaded ones, as a failed restore's requests do."""
+    from ipc.messages import BatchTokenOut
+
+    loop, to_front, _, ctx = make_loop(tmp_path)
+    try:
+        send(loop, FrontDoorHello("front-1"))
+        send(loop, LoraLoadCmd(9, "ub", "b", "/p/b"))
+        loop.ops.ready_to_send(loop.sched.uses_adapter)
+        loop._sync_pins()
+        assert loop.sched.add(TokenizedReq("r1", [5, 6], SamplingParams(max_new_tokens=4), "ub")) == []
+        to_front.clear()
+        loop.on_worker(loop.worker_in.encode(LoraOpAck(9, 0, False, error="adapter_model.safetensors: truncated")))
+        outs = [o for m in to_front if isinstance(m, BatchTokenOut) for o in m.items]
+        assert [(o.rid, o.finished, o.error_kind) for o in outs] == [("r1", True, "not_found")]
+        assert "never been loaded: b" in outs[0].error and "['a']" in outs[0].error
+        assert not loop.sched.waiting
+    finally:
+        close(ctx, tmp_path)
