@@ -263,6 +263,32 @@ def test_a_send_to_a_vanished_client_reports_it_gone_once():
     assert srv.gone == ["unreachable"]
 
 
+def test_a_client_is_not_forgotten_while_its_message_waits_for_its_handler():
+    """``_prune_sinks`` drops idle clients; one whose request has arrived but is not yet registered is not idle
+    (dropped then, its abort would reach a new sink and match nothing)."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from ipc.messages import HealthReq
+    from tokenizer_proc.main import FrontDoorServer, ZmqSink
+
+    async def run() -> None:
+        srv = FakeServer()
+        health = SimpleNamespace(problem=lambda: None)
+        fake = SimpleNamespace(door=SimpleNamespace(sinks_in_use=set, health=health, pending={}), sinks={})
+        fake._handle = lambda msg, sink: FrontDoorServer._handle(fake, msg, sink)
+        sink = fake.sinks[b"c"] = ZmqSink(srv, b"c")
+        task = FrontDoorServer._dispatch(fake, HealthReq(), sink)
+        FrontDoorServer._prune_sinks(fake)  # the handler has not run yet
+        assert fake.sinks == {b"c": sink}
+        await task
+        assert sink.handling == 0 and len(srv.frames) == 1  # answered
+        FrontDoorServer._prune_sinks(fake)
+        assert fake.sinks == {}
+
+    asyncio.run(run())
+
+
 # ============================================================================ without a cluster: the client
 @pytest.fixture
 def bare_router(tmp_path):

@@ -101,6 +101,7 @@ class ZmqSink:
         self.gone = False
         self.last_ok = 0.0
         self.outbox: deque[list] = deque()  # [message, its encoded frame or None]
+        self.handling = 0  # this client's messages whose handler has not ended (see FrontDoorServer._dispatch)
         self._chunk: dict[str, list] = {}  # rid -> its queued stream chunk (a newer chunk replaces it)
 
     def send(self, msg: ServerMsg) -> bool:
@@ -265,7 +266,7 @@ class FrontDoorServer:
         next message), so clients that come and go do not accumulate."""
         busy = self.door.sinks_in_use()
         for identity, sink in list(self.sinks.items()):
-            if sink not in busy and not sink.outbox:
+            if sink not in busy and not sink.outbox and not sink.handling:
                 del self.sinks[identity]
 
     async def watch_clients(self) -> None:
@@ -352,7 +353,14 @@ class FrontDoorServer:
             work += 1 if len(frame) <= PEEK_BYTES else YIELD_EVERY
             msg = self._decode_client(frame, sink)
             if msg is not None:  # tasks start in arrival order: a request is registered before its abort runs
-                asyncio.ensure_future(self._handle(msg, sink))
+                self._dispatch(msg, sink)
+
+    def _dispatch(self, msg: object, sink: ZmqSink) -> asyncio.Future:
+        """Handle ``msg`` in a task of its own. ``sink`` counts as busy until the handler ends: pruned between a
+        request's arrival and its registration, the client's next message (its abort) would get a new sink and
+        match nothing, and the request would run to its end for nobody (found by reading, after a storm trial)."""
+        sink.handling += 1
+        return asyncio.ensure_future(self._handle(msg, sink))
 
     async def _handle(self, msg: object, sink: ZmqSink) -> None:
         try:
@@ -376,6 +384,8 @@ class FrontDoorServer:
         except Exception as e:  # noqa: BLE001 - a handler bug answers this client, the server stays up
             log.error("handler failed: %s", traceback.format_exc())
             sink.send(AdminOut(False, f"internal error: {type(e).__name__}: {e}", kind="server_error"))
+        finally:
+            sink.handling -= 1
 
     async def serve_scheduler(self) -> None:
         """Route scheduler output to clients."""
