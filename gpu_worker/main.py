@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import traceback
 from datetime import timedelta
@@ -15,7 +16,7 @@ import zmq
 from gpu_worker import timing
 from gpu_worker.lora_reader import AdapterReader
 from gpu_worker.shm_allreduce import ShmAllReduce, select_all_reduce
-from gpu_worker.threads import pick_num_threads, thread_cap
+from gpu_worker.threads import ThreadRecheck, pick_num_threads, thread_cap
 from gpu_worker.worker import Worker, pick_device
 from ipc.codec import Codec, WireError
 from ipc.messages import (
@@ -95,10 +96,13 @@ def main() -> None:
         timing.replacement = ns.epoch > 1
         worker = Worker(args, rank, group, device, epoch=ns.epoch)
         shm = setup_cpu_all_reduce(worker, group, ns.epoch)
+        recheck = None
         if device.type == "cpu":
             threads, why = pick_num_threads(args.tp_size)
             torch.set_num_threads(threads)
             log.info("%d intra-op thread(s): %s", threads, why)
+            if not os.environ.get("OMP_NUM_THREADS", "").strip():
+                recheck = ThreadRecheck(threads, thread_cap(args.tp_size))
         in_codec: Codec = Codec(ToWorkerMsg)
         out_codec: Codec = Codec(FromWorkerMsg)
         sock = make_socket(ctx, zmq.DEALER, args.endpoints.workers, bind=False, identity=f"rank-{rank}".encode())
@@ -135,6 +139,10 @@ def main() -> None:
 
     try:
         while True:
+            if recheck is not None and recheck.due() and not sock.poll(0, zmq.POLLIN):  # idle, nothing waiting
+                changed = recheck.run()
+                if changed:
+                    log.info("%s", changed)
             events = dict(poller.poll(1000))
             finish_loads(reader.ready())
             if sock not in events:
@@ -151,6 +159,8 @@ def main() -> None:
             if not isinstance(msg, ForwardBatch | WorkerPing):
                 finish_loads(reader.drain())  # in message order before anything that reads or changes the pool
             if isinstance(msg, ForwardBatch):
+                if recheck is not None:
+                    recheck.worked()
                 try:
                     reply = worker.step(msg)
                 except Exception as e:  # noqa: BLE001 - the scheduler fails the step's requests with this text
@@ -160,6 +170,8 @@ def main() -> None:
                     else:
                         log.error("step %d failed: %s", msg.step, traceback.format_exc())
                     reply = StepResult(msg.step, rank, [], error=f"rank {rank}: {e}", epoch=ns.epoch)
+                if recheck is not None:
+                    recheck.worked()
             elif isinstance(msg, WorkerLoraLoad):
                 reply = worker.load_lora(msg)
             elif isinstance(msg, WorkerLoraUnload):

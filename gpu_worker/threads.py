@@ -157,3 +157,55 @@ def pick_num_threads(tp_size: int) -> tuple[int, str]:
     busy = "; more threads stayed slow in every window: another process is using these cores"
     busy = busy if collapsed(scores) else ""
     return n, f"measured in {time.perf_counter() - t0:.2f} s, cap {cap} ({shown}){busy}"
+
+
+class ThreadRecheck:
+    """Measure again, while the rank is idle, when start-up picked fewer threads than its cap.
+
+    The start-up pick lasts the worker's life, and a burst of other work during it (the cluster's other
+    processes, a client preparing its load) can make the extra threads look no faster: on a 2-core Zen 5 a
+    1.6 s burst left a rank on 1 thread (``1: 352 us, 2: 333 us``), which then served 216 tok/s at 64 concurrent
+    against ~1,300 on 2. So a rank below its cap measures one more window (:func:`measure_threads`, ~0.2 s)
+    after ``idle_s`` without a step (``first_s`` after start-up at the soonest), at most ``checks`` times ``gap_s``
+    apart, and takes that window's pick only
+    where it is unambiguous (the fastest count: more threads must be clearly faster, and fewer are taken where
+    more collapse). A step that arrives meanwhile waits for the window.
+    """
+
+    def __init__(
+        self, threads: int, cap: int, idle_s: float = 1.0, first_s: float = 3.0, gap_s: float = 10.0, checks: int = 3
+    ) -> None:
+        self.threads, self.cap = threads, cap
+        self.idle_s, self.gap_s, self.left = idle_s, gap_s, checks
+        self.last_work = time.monotonic()
+        self.last_check = self.last_work - gap_s + first_s  # the start-up measurement, as if ``gap_s`` apart
+
+    def worked(self) -> None:
+        """A step ran (the rank is not idle)."""
+        self.last_work = time.monotonic()
+
+    def due(self) -> bool:
+        """Whether to measure now: below the cap, checks left, idle for ``idle_s`` and ``gap_s`` since the last."""
+        now = time.monotonic()
+        return (
+            self.threads < self.cap
+            and self.left > 0
+            and now - self.last_work >= self.idle_s
+            and now - self.last_check >= self.gap_s
+        )
+
+    def run(self) -> str | None:
+        """Measure one window and apply an unambiguous new pick (``torch.set_num_threads``): a line for the log
+        when the count changed, else None."""
+        self.left -= 1
+        t0 = time.perf_counter()
+        n, scores = measure_threads(self.cap, windows=1)
+        self.last_check = time.monotonic()
+        fastest = min(scores, key=scores.__getitem__) if scores else n
+        if n != fastest or n == self.threads:
+            return None
+        old, self.threads = self.threads, n
+        torch.set_num_threads(n)
+        shown = ", ".join(f"{k}: {v:.0f} us" for k, v in scores.items())
+        took = time.perf_counter() - t0
+        return f"{old} -> {n} intra-op thread(s), measured again while idle in {took:.2f} s ({shown})"

@@ -302,3 +302,49 @@ def test_an_ambiguous_thread_probe_window_is_measured_again(monkeypatch, windows
     n, scores = threads.measure_threads(2)
     assert n == pick and len(windows) - sum(1 for _ in seen) == calls
     assert scores == {k: statistics.median(w[k] for w in windows[:calls]) for k in (1, 2)}
+
+
+@pytest.mark.parametrize(
+    "window, after",
+    [
+        ({1: 100.0, 2: 60.0}, 2),  # a start-up burst had hidden the second thread: the idle window finds it
+        ({1: 100.0, 2: 95.0}, 1),  # ambiguous: kept
+        ({1: 100.0, 2: 2200.0}, 1),  # the cores are busy now: kept
+    ],
+)
+def test_a_rank_below_its_thread_cap_measures_again_when_idle(monkeypatch, window, after):
+    from gpu_worker import threads
+
+    clock = [1000.0]
+    monkeypatch.setattr(threads.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(threads, "_window", lambda cands, probes, budget_s: dict(window))
+    applied: list[int] = []
+    monkeypatch.setattr(threads.torch, "set_num_threads", applied.append)
+    monkeypatch.setattr(threads.torch, "get_num_threads", lambda: 1)  # measure_threads restores this count
+    r = threads.ThreadRecheck(1, 2, idle_s=1.0, first_s=3.0, gap_s=10.0, checks=2)
+    assert not r.due()  # not idle long enough, and just measured at start-up
+    clock[0] += 2.5
+    assert not r.due()  # idle, but too soon after start-up
+    clock[0] += 1.0
+    r.worked()  # a step just ran
+    assert not r.due()
+    clock[0] += 1.0
+    assert r.due()
+    line = r.run()
+    assert r.threads == after and applied == ([1, 2] if after == 2 else [1])
+    assert (line is not None) == (after != 1)
+    if line:
+        assert line.startswith("1 -> 2 intra-op thread(s), measured again while idle")
+    clock[0] += 10.0
+    assert r.due() == (after == 1)  # at the cap nothing is left to find; else one more check later
+    if after == 1:
+        r.run()
+        clock[0] += 10.0
+        assert not r.due()  # checks used up
+
+
+def test_a_rank_at_its_thread_cap_never_measures_again():
+    from gpu_worker.threads import ThreadRecheck
+
+    r = ThreadRecheck(2, 2, idle_s=0.0, gap_s=0.0)
+    assert not r.due()
