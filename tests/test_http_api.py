@@ -28,6 +28,7 @@ from tokenizer_proc.health import ClusterHealth
 from tokenizer_proc.http_io import HttpSink
 from tokenizer_proc.http_server import HttpServer, start_http
 from tokenizer_proc.metrics import Metrics
+from tokenizer_proc.registry import LoraRegistry
 
 FRANCE = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
 
@@ -405,7 +406,7 @@ class FakeDoor:
         self.sinks: list[HttpSink] = []
         self.aborted: list[str] = []
         self.health = ClusterHealth(silence_limit_s=float("inf"))  # no scheduler sends heartbeats here
-        self.registry = SimpleNamespace(loaded={}, refs={})
+        self.registry = LoraRegistry()
         self.codec = SimpleNamespace(decode=lambda ids, skip_special_tokens=True: "".join(map(str, ids)))
         self.metrics = Metrics()
         self.metrics.watch(self)  # type: ignore[arg-type]

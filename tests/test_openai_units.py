@@ -556,12 +556,13 @@ def test_front_door_metrics_carry_over_a_restart(tmp_path) -> None:
     from prometheus_client.parser import text_string_to_metric_families
 
     from tokenizer_proc.metrics import Metrics
+    from tokenizer_proc.registry import LoraRegistry
 
     def door():
         args = make_args(".", enable_lora=True, max_loras_per_batch=4)
         eps = msgspec.structs.replace(args.endpoints, socket_dir=str(tmp_path))  # the cluster's folder
         args = msgspec.structs.replace(args, endpoints=eps)
-        d = SimpleNamespace(pending={}, health=ClusterHealth(), args=args, registry=SimpleNamespace(loaded={}, refs={}))
+        d = SimpleNamespace(pending={}, health=ClusterHealth(), args=args, registry=LoraRegistry())
         m = Metrics()
         m.watch(d)
         return d, m
