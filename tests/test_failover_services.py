@@ -113,7 +113,12 @@ def test_scheduler_and_front_door_restarts_keep_requests_and_adapters(tmp_path):
             assert_streams_consistent(chunks)
             assert f"{target} (pid" in h.log() and "sent no heartbeat for" in h.log()
         wait_healthy(port)
-        assert restarts_metric(port) == {"scheduler_proc": 2, "tokenizer_proc": 2}, h.log()[-4000:]
+        # a scheduler stopped between its sends of one step to the two ranks leaves one rank in that step's first
+        # all-reduce for ever: the next scheduler finds it silent for --step-timeout and has the group replaced
+        # (CI saw this once; the requests still finished with the reference tokens)
+        split = "is hung (ranks [" in h.log() and "silent); asking the launcher to replace it" in h.log()
+        want = {"scheduler_proc": 2, "tokenizer_proc": 2} | ({"gpu_worker": 1} if split else {})
+        assert restarts_metric(port) == want, h.log()[-4000:]
 
         # ... a request that cannot be retried (sampled, no seed) is told within seconds, never times out
         _find_children(h)
