@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
 import signal
 import traceback
 from datetime import timedelta
@@ -101,8 +100,7 @@ def main() -> None:
             threads, why = pick_num_threads(args.tp_size)
             torch.set_num_threads(threads)
             log.info("%d intra-op thread(s): %s", threads, why)
-            if not os.environ.get("OMP_NUM_THREADS", "").strip():
-                recheck = ThreadRecheck(threads, thread_cap(args.tp_size))
+            recheck = ThreadRecheck(threads, thread_cap(args.tp_size))  # OMP_NUM_THREADS: cap = threads, never due
         in_codec: Codec = Codec(ToWorkerMsg)
         out_codec: Codec = Codec(FromWorkerMsg)
         sock = make_socket(ctx, zmq.DEALER, args.endpoints.workers, bind=False, identity=f"rank-{rank}".encode())
@@ -159,8 +157,6 @@ def main() -> None:
             if not isinstance(msg, ForwardBatch | WorkerPing):
                 finish_loads(reader.drain())  # in message order before anything that reads or changes the pool
             if isinstance(msg, ForwardBatch):
-                if recheck is not None:
-                    recheck.worked()
                 try:
                     reply = worker.step(msg)
                 except Exception as e:  # noqa: BLE001 - the scheduler fails the step's requests with this text

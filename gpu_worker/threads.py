@@ -167,9 +167,9 @@ class ThreadRecheck:
     1.6 s burst left a rank on 1 thread (``1: 352 us, 2: 333 us``), which then served 216 tok/s at 64 concurrent
     against ~1,300 on 2. So a rank below its cap measures one more window (:func:`measure_threads`, ~0.2 s)
     after ``idle_s`` without a step (``first_s`` after start-up at the soonest), at most ``checks`` times ``gap_s``
-    apart, and takes that window's pick only
-    where it is unambiguous (the fastest count: more threads must be clearly faster, and fewer are taken where
-    more collapse). A step that arrives meanwhile waits for the window.
+    apart, and takes that window's pick only where it is unambiguous (the fastest count: more threads must be
+    clearly faster, and fewer are taken where more collapse). A step that arrives meanwhile waits for the window.
+    With ``OMP_NUM_THREADS`` set, :func:`thread_cap` is the count already in use, so it never measures.
     """
 
     def __init__(
@@ -181,7 +181,7 @@ class ThreadRecheck:
         self.last_check = self.last_work - gap_s + first_s  # the start-up measurement, as if ``gap_s`` apart
 
     def worked(self) -> None:
-        """A step ran (the rank is not idle)."""
+        """A step just ended (the rank is not idle)."""
         self.last_work = time.monotonic()
 
     def due(self) -> bool:
