@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import uuid
 from pathlib import Path
 
@@ -40,15 +41,28 @@ CPU_DEFAULT_MAX_TOKENS = 32768
 
 
 def pick_device(requested: str = "auto", rank: int = 0) -> torch.device:
-    """CUDA device ``rank`` when CUDA exists (or is asked for), else CPU."""
+    """CUDA device ``rank`` when CUDA exists (or is asked for), else CPU.
+
+    One device per TP rank: NCCL refuses two ranks of a group on one GPU, and they would share its memory.
+
+    Raises:
+        RuntimeError: CUDA asked for and PyTorch sees no device, or ``rank`` is beyond the devices it sees.
+    """
     if requested == "cpu" or (requested == "auto" and not torch.cuda.is_available()):
         return torch.device("cpu")
-    return torch.device("cuda", rank % max(torch.cuda.device_count(), 1))
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if rank >= n:
+        seen = f"PyTorch sees {n} (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')})"
+        if n == 0:
+            raise RuntimeError(f"--device cuda: no CUDA device: {seen}; use --device cpu")
+        raise RuntimeError(f"TP rank {rank} needs its own CUDA device, but {seen}: use --tp-size {n} or less")
+    return torch.device("cuda", rank)
 
 
 def resolve_dtype(requested: str, model_path: str, device: torch.device, quantization: str = "none") -> torch.dtype:
-    """``auto`` takes the checkpoint's dtype (float16 becomes float32 on CPU), or bfloat16 for quantised weights
-    (the CPU weight-only kernels take bf16 inputs); otherwise the named dtype.
+    """``auto`` takes the checkpoint's dtype (float16 becomes float32 on CPU; float32 becomes bfloat16 on CUDA, or
+    float16 where the GPU has no bf16, as vLLM and SGLang serve), or bfloat16 for quantised weights (the CPU
+    weight-only kernels take bf16 inputs); otherwise the named dtype.
 
     Raises:
         ValueError: an unknown dtype name.
@@ -62,7 +76,11 @@ def resolve_dtype(requested: str, model_path: str, device: torch.device, quantiz
     cfg = json.loads((Path(model_path) / "config.json").read_text())
     name = cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
     dt = _DTYPES.get(str(name), torch.float32)
-    return torch.float32 if dt == torch.float16 and device.type == "cpu" else dt
+    if device.type == "cpu":
+        return torch.float32 if dt == torch.float16 else dt
+    if dt == torch.float32:  # full precision buys nothing a served model needs, at twice the bytes per step
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return dt
 
 
 def kv_capacity_tokens(args: ServerArgs, cfg: ModelConfig, kv_heads: int, dtype: torch.dtype, device) -> int:

@@ -461,10 +461,18 @@ def _launcher_preexec() -> None:
 
 
 def _fp32_unless_asked(flags) -> list[str]:
-    """``flags`` plus ``--quantization none`` unless they choose one: the tests' references are fp32 (launch.py's
-    default, ``auto``, serves the embedded GGUF's own 4-bit blocks with bf16 activations)."""
+    """``flags`` plus ``--quantization none`` and ``--dtype float32`` unless they choose: the tests' references
+    are fp32 (launch.py's default, ``auto``, serves the embedded GGUF's own 4-bit blocks with bf16 activations, and
+    on CUDA a float32 checkpoint in bf16)."""
     flags = list(flags)
-    return flags if any(f.startswith("--quantization") for f in flags) else [*flags, "--quantization", "none"]
+    if any(f.startswith("--quantization") for f in flags):
+        return flags
+    return [
+        *flags,
+        "--quantization",
+        "none",
+        *([] if any(f.startswith("--dtype") for f in flags) else ["--dtype", "float32"]),
+    ]
 
 
 @contextlib.contextmanager

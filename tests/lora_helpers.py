@@ -100,7 +100,9 @@ def patch_on_import(module: str, patch_source: str) -> str:
 
 
 def server_args(model_path: str = "/nonexistent", **kw) -> ServerArgs:
-    """ServerArgs for in-process Worker/LoraPool tests (no sockets are ever opened)."""
+    """ServerArgs for in-process Worker/LoraPool tests (no sockets are ever opened; on the CPU unless ``device``
+    says otherwise, as the tests' fp32 CPU references and C kernels expect, also on a GPU machine)."""
+    kw.setdefault("device", "cpu")
     return ServerArgs(model_path=str(model_path), endpoints=DUMMY_ENDPOINTS, **kw)
 
 
@@ -462,6 +464,8 @@ def launch_cluster(
     cmd = [sys.executable, str(REPO / "launch.py"), "--max-total-tokens", "4096", "--zmq-endpoint", endpoint]
     if not any(a.startswith("--quantization") for a in extra_args):
         cmd += ["--quantization", "none"]  # the references are fp32; launch.py's default serves 4-bit blocks
+        if not any(a.startswith("--dtype") for a in extra_args):
+            cmd += ["--dtype", "float32"]  # what auto gives on CPU; on CUDA auto serves a float32 checkpoint in bf16
     cmd += ["--log-level", "warning", *extra_args]
     with open(log, "wb") as out:
         proc = subprocess.Popen(
