@@ -111,6 +111,7 @@ class Worker:
         self.epoch = epoch
         self.device = device if device is not None else pick_device(args.device, rank)
         self.incarnation = uuid.uuid4().hex
+        self.steps_run = 0  # steps started in this epoch (READY says it: see scheduler_proc.health.FirstReady)
         self.cfg = load_model_config(args.model_path)
         self.plan = plan_for_model(self.cfg, args.tp_size, rank)
         self.quantization = self._choose_quantization(group)
@@ -249,6 +250,7 @@ class Worker:
             epoch=self.epoch,
             adapters=[] if self.lora is None else self.lora.host_adapters(),
             lora_rows=0 if self.lora is None else self.lora.capacity,
+            steps=self.steps_run,
         )
 
     def build_inputs(self, fb: ForwardBatch) -> StepInputs:
@@ -416,6 +418,7 @@ class Worker:
         At TP > 1 a step whose rows are all greedy takes each row's argmax over the ranks' vocabulary columns
         without gathering the logits (``LlamaShard.forward_greedy``): the same tokens, less work on rank 0.
         """
+        self.steps_run += 1
         if self._all_greedy(fb):
             tokens, logits = self._forward(fb, greedy=True)
         else:

@@ -465,8 +465,9 @@ ToWorkerMsg = Union[ForwardBatch, WorkerLoraLoad, WorkerLoraUnload, WorkerShutdo
 
 class WorkerReady(msgspec.Struct, tag=True):
     """A worker rank is up: its KV capacity (tokens), a fresh incarnation id (new at every start), the TP group
-    ``epoch`` the launcher started it in (every group restart increments it), the adapter uids it holds and its
-    LoRA pool's size in rank rows (0: LoRA off)."""
+    ``epoch`` the launcher started it in (every group restart increments it), the adapter uids it holds, its
+    LoRA pool's size in rank rows (0: LoRA off) and the steps it has run in this epoch (0 at start-up; a reply to a
+    restarted scheduler's ``SchedulerHello`` may have more)."""
 
     rank: int
     incarnation: str
@@ -475,6 +476,7 @@ class WorkerReady(msgspec.Struct, tag=True):
     epoch: int = 1
     adapters: list[AdapterState] = []  # the host tier's adapters, sorted by uid (a scheduler restart reads them)
     lora_rows: int = 0
+    steps: int = 0
 
 
 class RowLogprobs(msgspec.Struct, array_like=True):

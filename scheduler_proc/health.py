@@ -23,6 +23,10 @@ PROBE_INTERVAL_S = 1.0  # an idle TP group is probed this often
 PROBE_TIMEOUT_S = 3.0  # a rank that leaves a probe unanswered this long counts as unresponsive
 LOOP_STALL_S = 1.0  # a scheduler loop turn longer than this is the scheduler's own stall, not the ranks' silence
 BEAT_INTERVAL_S = 1.0  # how often the scheduler sends SchedulerBeat to the front door
+# a rank silent this long after a peer that had run steps of its TP group answered a new scheduler is stuck: ranks
+# leave a step within a sampling pass of each other; what a rank does alone (a pinned adapter read from disk, a
+# thread re-measure) takes well under this
+PEER_SKEW_S = 5.0
 
 
 class RankLiveness:
@@ -106,14 +110,28 @@ class FirstReady:
     a collective that a dead scheduler's last plan started on only some ranks). The clock is per epoch: a
     replacement group's clock starts at its own first READY, not at an older group's (which once made every
     replacement count as hung the moment one of its ranks was up, until the launcher gave up).
+
+    A rank that answers having run steps in its epoch proves every rank of the epoch started (a step's
+    collectives need them all), so a rank still silent then is not loading: it is inside a step, which ranks run
+    in lockstep and so leave within moments of each other, or stuck in one its peers never got. It counts as stuck
+    after ``PEER_SKEW_S``, not the whole ``--step-timeout`` (20 s by default).
     """
 
     def __init__(self) -> None:
         self.first: dict[int, float] = {}
+        self.ran: dict[int, float] = {}  # epoch -> when a rank that had run steps in it first answered
 
-    def seen(self, epoch: int, now: float) -> None:
-        """A rank of ``epoch`` said READY at ``now`` (monotonic seconds)."""
+    def seen(self, epoch: int, now: float, steps: int = 0) -> None:
+        """A rank of ``epoch`` said READY at ``now`` (monotonic seconds), having run ``steps`` steps in it."""
         self.first.setdefault(epoch, now)
+        if steps > 0:
+            self.ran.setdefault(epoch, now)
+
+    def stuck(self, epoch: int, now: float, step_timeout_s: float) -> bool:
+        """Whether ranks of ``epoch`` still silent at ``now`` count as stuck (see the class)."""
+        if epoch in self.ran and now - self.ran[epoch] > min(step_timeout_s, PEER_SKEW_S):
+            return True
+        return self.waited(epoch, now) > step_timeout_s
 
     def waited(self, epoch: int, now: float) -> float:
         """Seconds since ``epoch``'s first READY (0 before any, which starts its clock now)."""

@@ -127,7 +127,8 @@ class SchedulerLoop:
 
         Ranks that were up before this scheduler register again when asked (``SchedulerHello``). If some ranks
         answer and others stay silent for ``--step-timeout`` (e.g. stuck in a collective that the dead
-        scheduler's last plan started on only some ranks), the launcher is asked to replace the group.
+        scheduler's last plan started on only some ranks), the launcher is asked to replace the group; after
+        ``PEER_SKEW_S`` instead once a rank that had run steps in the group answered (``FirstReady``).
 
         Raises:
             TimeoutError: naming the ranks that did not report READY within ``--ready-timeout``.
@@ -154,7 +155,7 @@ class SchedulerLoop:
                         self.workers.send_multipart([f"rank-{r}".encode(), hello], zmq.NOBLOCK)
                     except zmq.ZMQError:
                         pass  # not connected (yet): it sends READY by itself when it starts
-            if current and first_ready.waited(epoch, now) > self.args.step_timeout_s and asked_restart < epoch:
+            if current and first_ready.stuck(epoch, now, self.args.step_timeout_s) and asked_restart < epoch:
                 asked_restart = epoch
                 self._ask_launcher(epoch, f"ranks {sorted(set(range(self.args.tp_size)) - set(current))} silent")
             if self.workers.poll(200):
@@ -165,7 +166,7 @@ class SchedulerLoop:
                     continue
                 if isinstance(msg, WorkerReady):  # results of a dead scheduler's plans arrive first: skipped
                     self.ready[msg.rank] = msg
-                    first_ready.seen(msg.epoch, time.monotonic())
+                    first_ready.seen(msg.epoch, time.monotonic(), msg.steps)
         self.ready = current
         cfg = load_model_config(self.args.model_path)
         tok = Tokenizer.from_file(f"{self.args.model_path}/tokenizer.json")

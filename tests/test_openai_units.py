@@ -277,6 +277,21 @@ def test_a_replacement_groups_stuck_clock_starts_at_its_own_first_ready() -> Non
     assert fr.waited(6, 121.0) == 1.0
 
 
+def test_a_rank_silent_after_a_peer_that_ran_steps_answered_is_stuck_sooner() -> None:
+    """A peer that ran steps of its group proves every rank started, so a rank still silent is inside a step (its
+    peers leave it within moments) or stuck in one they never got: stuck after PEER_SKEW_S, not --step-timeout.
+    Ranks that answer without steps (a group just started, one rank still loading) keep the whole timeout."""
+    fr = sched_health.FirstReady()
+    fr.seen(3, 100.0)  # a fresh rank of epoch 3 (no steps yet): the other may still be loading
+    assert not fr.stuck(3, 100.0 + sched_health.PEER_SKEW_S + 1, 20.0)
+    assert fr.stuck(3, 120.5, 20.0)
+    fr.seen(4, 200.0, steps=12)  # a rank of epoch 4 that had run 12 steps
+    assert not fr.stuck(4, 200.0 + sched_health.PEER_SKEW_S - 0.1, 20.0)
+    assert fr.stuck(4, 200.0 + sched_health.PEER_SKEW_S + 0.1, 20.0)
+    fr.seen(5, 300.0, steps=1)
+    assert fr.stuck(5, 302.5, 2.0)  # a --step-timeout shorter than PEER_SKEW_S still rules
+
+
 def test_slot_evictions_are_counted_per_slot() -> None:
     assert sched_health.count_evictions({"a": 0, "b": 1}, {"c": 0, "b": 1}) == 1
     assert sched_health.count_evictions({"a": 0, "b": 1}, {"b": 1}) == 0  # unloaded: the slot is empty

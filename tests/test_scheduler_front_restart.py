@@ -121,3 +121,63 @@ def test_requests_queued_for_an_adapter_whose_load_fails_end_with_the_never_load
         assert not loop.sched.waiting
     finally:
         close(ctx, tmp_path)
+
+
+def test_a_rank_stuck_in_a_split_step_is_replaced_within_the_peer_skew_not_the_step_timeout(tmp_path, monkeypatch):
+    """A scheduler that died between its two sends of one step leaves rank 0 in that step's first all-reduce for
+    ever, while rank 1 (which never got it) answers the next scheduler's hello having run steps: the next
+    scheduler asks the launcher for a new group after PEER_SKEW_S, not --step-timeout (20 s). A rank that answers
+    without having run steps (a group still starting) does not shorten the wait."""
+    import threading
+    import time
+
+    from ipc.codec import Codec
+    from ipc.messages import FromWorkerMsg, SchedulerHello, ToWorkerMsg, WorkerReady
+    from ipc.sockets import CONTROL_CODEC
+    from scheduler_proc import health
+
+    monkeypatch.setattr(health, "PEER_SKEW_S", 0.6)
+    for steps, asked in ((7, True), (0, False)):
+        sub = tmp_path / f"steps{steps}"
+        sub.mkdir()
+        ep = Endpoints(*(f"ipc://{sub}/{n}" for n in ("front", "s", "t", "w", "c")), "", str(sub))
+        ctx = zmq.Context()
+        try:
+            launcher = ctx.socket(zmq.PULL)
+            launcher.bind(ep.control)
+            args = ServerArgs(model_path="/nonexistent", endpoints=ep, tp_size=2, step_timeout_s=20, ready_timeout_s=2)
+            loop = SchedulerLoop(args, ctx)
+            ranks = []
+            for r in (0, 1):  # rank 0 is connected but stuck: it never reads
+                d = ctx.socket(zmq.DEALER)
+                d.setsockopt(zmq.IDENTITY, f"rank-{r}".encode())
+                d.connect(ep.workers)
+                ranks.append(d)
+            errors: list[BaseException] = []
+
+            def run(loop: SchedulerLoop = loop, errors: list = errors) -> None:
+                try:
+                    loop.wait_for_workers()
+                except BaseException as e:  # noqa: BLE001 - the ready timeout ends the wait
+                    errors.append(e)
+
+            t0 = time.monotonic()
+            th = threading.Thread(target=run)
+            th.start()
+            hello = Codec(ToWorkerMsg).decode(ranks[1].recv()) if ranks[1].poll(3000) else None
+            assert isinstance(hello, SchedulerHello)
+            ranks[1].send(Codec(FromWorkerMsg).encode(WorkerReady(1, "inc1", 1000, epoch=1, steps=steps)))
+            restart_at = None
+            while th.is_alive() or launcher.poll(0):
+                if launcher.poll(100):
+                    msg = CONTROL_CODEC.decode(launcher.recv())
+                    if type(msg).__name__ == "RestartWorkers" and restart_at is None:
+                        restart_at = time.monotonic() - t0
+            th.join()
+            assert errors and isinstance(errors[0], TimeoutError), errors  # rank 0 never answered
+            if asked:
+                assert restart_at is not None and 0.6 < restart_at < 1.9, restart_at
+            else:
+                assert restart_at is None, restart_at
+        finally:
+            ctx.destroy(0)
