@@ -9,12 +9,13 @@ import asyncio
 import os
 import shutil
 import signal
+import textwrap
 import time
 from pathlib import Path
 
 import pytest
 from loom_helpers import _find_children, launch_cluster, pid_alive
-from lora_helpers import real_adapters
+from lora_helpers import patch_on_import, real_adapters
 
 from ipc.client import AsyncLoomClient, LoomClient, LoomError
 
@@ -169,3 +170,65 @@ def test_idle_rank_that_stops_answering_probes_is_replaced_before_any_request(tm
             assert c.generate(text=PROMPTS[0], sampling_params=sp)["text"] == ref
         assert time.monotonic() - t < 30, "the request waited for a step timeout"
         assert "step timed out" not in h.log()
+
+
+# Test-only hook in the scheduler (it runs as __main__, so the hook wraps zmq's send_multipart there): once the file
+# $LOOM_TEST_SPLIT/arm exists, the next step goes to rank 0 alone and the scheduler dies (SIGKILL) before sending it
+# to rank 1, as a scheduler killed between its two sends would.
+SPLIT_STEP = patch_on_import(
+    "zmq",
+    textwrap.dedent(
+        """
+    import os
+    import signal
+    import sys
+
+
+    def _patch(mod):
+        if not sys.argv[0].endswith(os.path.join("scheduler_proc", "main.py")):
+            return
+        folder = os.environ["LOOM_TEST_SPLIT"]
+        send = mod.Socket.send_multipart
+
+        def split(self, frames, *a, **k):
+            arm, fired = os.path.join(folder, "arm"), os.path.join(folder, "fired")
+            if frames[0] == b"rank-1" and os.path.exists(arm) and not os.path.exists(fired):
+                from ipc.codec import Codec
+                from ipc.messages import ForwardBatch, ToWorkerMsg
+
+                if isinstance(Codec(ToWorkerMsg).decode(frames[1]), ForwardBatch):
+                    open(fired, "w").close()
+                    os.kill(os.getpid(), signal.SIGKILL)
+            return send(self, frames, *a, **k)
+
+        mod.Socket.send_multipart = split
+    """
+    ),
+)
+
+
+def test_a_scheduler_killed_between_its_sends_of_one_step_costs_seconds_not_the_step_timeout(tmp_path, monkeypatch):
+    """Rank 0 got the dead scheduler's last step and waits in its first all-reduce for rank 1, which never got
+    it. Rank 1 answers the next scheduler having run steps, so rank 0's silence means stuck after PEER_SKEW_S
+    (5 s), not --step-timeout (60 s here): the group is replaced and every request finishes exactly."""
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(SPLIT_STEP)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(hook), os.environ.get("PYTHONPATH")])))
+    monkeypatch.setenv("LOOM_TEST_SPLIT", str(hook))
+    ad = real_adapters()
+    flags = ["--tp-size", "2", "--max-total-tokens", "2048", "--step-timeout", "60", "--enable-lora"]
+    flags += ["--lora-paths", f"a={ad['r8-all']}"]
+    reqs = mixed_requests([None, "a", None, "a"])
+    with launch_cluster(tmp_path / "cluster", *flags) as h:
+        ref, _ = run_round(h.endpoint, reqs)
+        t = time.monotonic()
+        outs, chunks = run_round(h.endpoint, reqs, lambda: (hook / "arm").touch())
+        took = time.monotonic() - t
+        print(f"round with a split step: {took:.1f} s")
+        log = h.log()
+        assert (hook / "fired").exists(), "the hook never split a step"
+        assert outs == ref, log[-3000:]
+        assert_streams_consistent(chunks)
+        assert "TP group epoch 1 is hung (ranks [0] silent); asking the launcher to replace it" in log, log[-3000:]
+        assert took < 40, f"{took:.1f} s: the stuck rank was found by --step-timeout\n{log[-3000:]}"
