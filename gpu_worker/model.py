@@ -22,6 +22,7 @@ from gpu_worker.decode_mirror import MirrorUse, mirrored_kv
 from gpu_worker.kv_cache import KVCache
 from gpu_worker.layer_ops import LayerOps
 from gpu_worker.packed_linear import PackedLinear
+from gpu_worker.prefill_attention import prefix_causal_attention, split_pays
 from gpu_worker.q8_linear import Q8Linear
 from gpu_worker.quant import QuantLinear
 from gpu_worker.timing import agreed_choice, best_time
@@ -248,6 +249,12 @@ class LlamaShard:
             kb, vb = k[offset : offset + ext], v[offset : offset + ext]
         else:
             kb, vb = kv.k[layer].index_select(0, r.kv_slots), kv.v[layer].index_select(0, r.kv_slots)
+            prefix = kb.shape[0] - ext
+            if split_pays(qb.device, qb.dtype, prefix, ext):  # a long chunk after a cached prefix: no mask
+                ob = prefix_causal_attention(
+                    qb, kb.transpose(0, 1), vb.transpose(0, 1), prefix, 1.0 / math.sqrt(self.d)
+                )
+                return ob.transpose(0, 1)
         ob = F.scaled_dot_product_attention(
             qb[None],
             kb.transpose(0, 1)[None],

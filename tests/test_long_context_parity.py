@@ -114,3 +114,24 @@ def test_prefill_in_the_same_step_as_decodes(worker, cases):
     assert (logits[0] - b_ref[0]).abs().max().item() < ATOL
     assert (logits[1] - l_ref[1]).abs().max().item() < ATOL
     assert (logits[2] - a_ref[1]).abs().max().item() < ATOL
+
+
+def test_a_long_chunk_after_a_cached_prefix_matches(worker, cases, monkeypatch):
+    """The 1,300-token prompt prefilled as 200 tokens, then 1,100 more after them (as chunked prefill or a
+    prefix-cache hit sends it): the second chunk is attended in two unmasked parts merged by their log-sum-exps
+    (``gpu_worker.prefill_attention``), and its last logits match transformers' within 1e-3."""
+    import gpu_worker.model as model
+
+    (ids, _, ref), split = cases[0], []
+    real = model.prefix_causal_attention
+
+    def spy(q, k, v, prefix, scale):
+        split.append((q.shape[1], prefix))
+        return real(q, k, v, prefix, scale)
+
+    monkeypatch.setattr(model, "prefix_causal_attention", spy)
+    worker.forward_logits(ForwardBatch(1, [BatchReq("c", 0, ids[:200], 0, list(range(200)), None, GREEDY)]))
+    rest = BatchReq("c", 0, ids[200:], 200, list(range(200, len(ids))), None, GREEDY)
+    logits = worker.forward_logits(ForwardBatch(2, [rest]))
+    assert split == [(len(ids) - 200, 200)] * worker.cfg.num_layers
+    assert (logits[0] - ref[0]).abs().max().item() < ATOL
