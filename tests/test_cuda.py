@@ -25,9 +25,9 @@ from lora_helpers import (
     real_adapters,
     real_model_path,
     six_adapter_worker,
-    until_eos,
 )
 from test_failover_worker import adapter_uids, assert_streams_consistent, kill, mixed_requests, run_round
+from test_lora_correctness import _check
 
 from ipc.messages import BatchReq, ForwardBatch, WorkerSampling
 
@@ -114,27 +114,11 @@ def _lora_flags(slots: int) -> list[str]:
     return [*out, "--lora-paths", *(f"{n}={p}" for n, p in sorted(real_adapters().items()))]
 
 
-def _check_all_tags(cluster, ref: dict, n: int) -> None:
-    reqs = []
-    for p, ids in ref["input_ids"].items():
-        for t in TAGS:
-            reqs.append(
-                (t, p, {"input_ids": ids, "sampling_params": greedy(n), "lora_path": None if t == "base" else t})
-            )
-    results = generate_many(cluster.endpoint, [kw for _, _, kw in reqs])
-    bad = [
-        f"{t} on {p}: loom {until_eos(r['output_ids'])} != peft {until_eos(ref['greedy'][f'{t}|{p}'], n)}"
-        for (t, p, _), r in zip(reqs, results, strict=True)
-        if until_eos(r["output_ids"]) != until_eos(ref["greedy"][f"{t}|{p}"], n)
-    ]
-    assert not bad, "\n".join(bad)
-
-
 @pytest.mark.parametrize("slots", [6, 2])
 def test_cluster_greedy_tokens_match_peft_with_every_adapter_in_one_batch(ref, slots):
     """Six slots hold every adapter; two slots (LRU) make the adapters replace each other mid-run."""
     with launch_cluster(_lora_flags(slots)) as c:
-        _check_all_tags(c, ref, 16)
+        _check(c, ref, TAGS, 16)
         with c.client() as cl:
             held = [a["name"] for a in cl.list_loras() if a["slots"]]
         assert len(held) == 6 if slots == 6 else 2 <= len(held) < 6, held  # slots hold rank rows, not adapters
