@@ -174,7 +174,9 @@ def test_idle_rank_that_stops_answering_probes_is_replaced_before_any_request(tm
 
 # Test-only hook in the scheduler (it runs as __main__, so the hook wraps zmq's send_multipart there): once the file
 # $LOOM_TEST_SPLIT/arm exists, the next step goes to rank 0 alone and the scheduler dies (SIGKILL) before sending it
-# to rank 1, as a scheduler killed between its two sends would.
+# to rank 1, as a scheduler killed between its two sends would. A zmq send only queues the frame for the context's I/O
+# thread, so the hook waits a second before the kill: a kill at once could lose rank 0's copy too (CI saw that: no
+# rank got the step, nothing was stuck, and the test's expectation of a stuck rank failed).
 SPLIT_STEP = patch_on_import(
     "zmq",
     textwrap.dedent(
@@ -182,6 +184,7 @@ SPLIT_STEP = patch_on_import(
     import os
     import signal
     import sys
+    import time
 
 
     def _patch(mod):
@@ -198,6 +201,8 @@ SPLIT_STEP = patch_on_import(
 
                 if isinstance(Codec(ToWorkerMsg).decode(frames[1]), ForwardBatch):
                     open(fired, "w").close()
+                    # zmq sends from its I/O thread: give it time to flush rank 0's copy, or the kill loses both.
+                    time.sleep(1.0)
                     os.kill(os.getpid(), signal.SIGKILL)
             return send(self, frames, *a, **k)
 
