@@ -25,9 +25,13 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 
-HOOK = """
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+from import_hook import patch_on_import  # noqa: E402
+
+_PATCH = """
 import json as _json
 import os as _os
 import sys as _sys
@@ -99,28 +103,8 @@ def _patch(mod):
 
     mod.Worker.step = timed_step
 
-
-import importlib.machinery as _machinery
-
-
-class _PatchOnImport:
-    def find_spec(self, name, path, target=None):
-        if name != "gpu_worker.worker":
-            return None
-        _sys.meta_path.remove(self)
-        spec = _machinery.PathFinder.find_spec(name, path)
-        run = spec.loader.exec_module
-
-        def exec_module(module):
-            run(module)
-            _patch(module)
-
-        spec.loader.exec_module = exec_module
-        return spec
-
-
-_sys.meta_path.insert(0, _PatchOnImport())
 """
+HOOK = patch_on_import("gpu_worker.worker", _PATCH)
 
 
 def phase_env(folder: Path, skip_lora: bool = False, min_rows: int = 48) -> dict[str, str]:

@@ -31,6 +31,10 @@ TESTS = Path(__file__).resolve().parent
 REPO = TESTS.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
+if str(REPO / "scripts") not in sys.path:
+    sys.path.insert(0, str(REPO / "scripts"))
+
+from import_hook import patch_on_import  # noqa: E402, F401  (re-exported: tests import it from here)
 
 from ipc.config import Endpoints, ServerArgs  # noqa: E402
 from ipc.lora_config import LLAMA_LORA_MODULES  # noqa: E402
@@ -65,38 +69,6 @@ DUMMY_ENDPOINTS = Endpoints(
     control="ipc:///nonexistent/c",
     dist_init="tcp://127.0.0.1:1",
 )
-
-
-_IMPORT_HOOK = """
-
-import importlib.machinery as _machinery
-import sys as _sys
-
-
-class _PatchOnImport:
-    def find_spec(self, name, path, target=None):
-        if name != MODULE:
-            return None
-        _sys.meta_path.remove(self)
-        spec = _machinery.PathFinder.find_spec(name, path)
-        run = spec.loader.exec_module
-
-        def exec_module(module):
-            run(module)
-            _patch(module)
-
-        spec.loader.exec_module = exec_module
-        return spec
-
-
-_sys.meta_path.insert(0, _PatchOnImport())
-"""
-
-
-def patch_on_import(module: str, patch_source: str) -> str:
-    """A ``sitecustomize.py`` for a cluster's children (put its folder on ``PYTHONPATH``): ``patch_source`` defines
-    ``_patch(mod)``, which runs on ``module`` right after that module is first imported (test-only hooks)."""
-    return patch_source + _IMPORT_HOOK.replace("MODULE", repr(module))
 
 
 def server_args(model_path: str = "/nonexistent", **kw) -> ServerArgs:
