@@ -233,3 +233,46 @@ def test_a_killed_launcher_leaves_nothing_behind(tmp_path, model_path, mode):
     assert float(facts["took"]) < 2.0, p.stdout
     assert facts["sockdir"] == "False" and facts["front"] == "False", p.stdout
     assert not (set(os.listdir("/dev/shm")) - shm_before)
+
+
+def test_every_child_killed_at_once_keeps_the_adapters_under_their_uids(tmp_path):
+    """The front door, the scheduler and the TP rank die together (kill -9 of all three mid-decode): no process
+    still holds the adapters, so the new front door restores them from the registry its predecessor wrote
+    (tokenizer_proc/registry_journal.py), start-up and run-time loads alike, under the same uids; every request
+    finishes with the fault-free tokens, and an adapter whose folder vanished meanwhile is never loaded."""
+    ad = real_adapters()
+    doomed = tmp_path / "doomed"
+    shutil.copytree(ad["r16-attn"], doomed)
+    flags = ["--max-total-tokens", "2048", "--enable-lora", "--max-loras-per-batch", "4", "--hang-timeout", "3"]
+    flags += ["--max-lora-rank", "32", "--lora-paths", f"a={ad['r8-all']}"]
+    reqs = mixed_requests([None, "a", "p", "c"])
+    with launch_cluster(tmp_path / "cluster", *flags) as h:
+        with LoomClient(h.endpoint, timeout_s=60) as c:
+            c.load_lora_adapter("p", str(ad["r32-qv"]), pinned=True)
+            c.load_lora_adapter("c", str(doomed))
+        uids = adapter_uids(h.endpoint)
+        assert sorted(uids) == ["a", "c", "p"]
+        ref, _ = run_round(h.endpoint, reqs)
+        assert all(isinstance(t, str) for t in ref) and len(set(ref)) == 4, ref
+
+        _find_children(h)
+        pids = [h.children[n] for n in ("gpu_worker[0]", "scheduler_proc", "tokenizer_proc")]
+        outs, chunks = run_round(h.endpoint, reqs, lambda: [os.kill(p, signal.SIGKILL) for p in pids])
+        assert outs == ref, h.log()[-4000:]
+        assert_streams_consistent(chunks)
+        assert adapter_uids(h.endpoint) == uids
+        with LoomClient(h.endpoint) as c:
+            assert {a["name"]: a["pinned"] for a in c.list_loras()} == {"a": False, "c": False, "p": True}
+        log = h.log()
+        assert "LoRA registry carried over from the previous front door: ['a', 'c', 'p']" in log, log[-4000:]
+
+        # again with c's folder gone: c cannot be restored, its request fails as never loaded, the rest are exact
+        shutil.rmtree(doomed)
+        _find_children(h)
+        pids = [h.children[n] for n in ("gpu_worker[0]", "scheduler_proc", "tokenizer_proc")]
+        outs, chunks = run_round(h.endpoint, reqs, lambda: [os.kill(p, signal.SIGKILL) for p in pids])
+        assert outs[:3] == ref[:3], h.log()[-4000:]
+        assert isinstance(outs[3], LoomError) and outs[3].kind == "not_found", outs[3]
+        assert str(outs[3]) == "Got LoRA adapter that has never been loaded: c\nAll loaded adapters: ['a', 'p']"
+        assert adapter_uids(h.endpoint) == {k: v for k, v in uids.items() if k != "c"}
+        assert "LoRA adapter c (uid" in h.log()

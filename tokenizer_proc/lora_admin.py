@@ -40,6 +40,7 @@ from ipc.messages import (
     LostAdapter,
 )
 from tokenizer_proc.registry import AdapterRefused, IllegalTransition, Kind, LoraRegistry, Transition
+from tokenizer_proc.registry_journal import JOURNAL_FILE, RegistryJournal
 from tokenizer_proc.validate import BadRequest
 
 log = logging.getLogger("tokenizer")
@@ -84,6 +85,29 @@ class LoraAdmin:
         self._settle: dict[str, asyncio.Future] = {}  # name -> resolved (with the error or None) when it settles
         self._tasks: set[asyncio.Task] = set()
         self._viewed = ""  # the scheduler incarnation of the last ClusterView
+        folder = args.endpoints.socket_dir
+        self.journal = RegistryJournal(Path(folder) / JOURNAL_FILE if folder else None)
+        self.registry.on_change = lambda: self.journal.save(self.registry.snapshot())
+
+    def seed_from_journal(self) -> None:
+        """A restarted front door, before its first cluster view: take the previous incarnation's settled adapters
+        (``tokenizer_proc/registry_journal.py``) as its registry, so that adapters the workers lack too (they were
+        restarted as well) are restored under the same uids instead of being dropped. An adapter whose folder no
+        longer reads is reported lost (its requests fail as never loaded)."""
+        snap = self.journal.read()
+        if snap is None:
+            return
+        for e in snap.loaded:
+            try:
+                self.registry.adopt(e.name, e.uid, e.path, e.pinned, e.content_hash)
+            except LoraConfigError as err:
+                self.health.adapters_lost += 1
+                log.error("LoRA adapter %s (uid %s) could not be carried over and was removed: %s", e.name, e.uid, err)
+        for r in snap.known:
+            self.registry.remember(r.name, r.path, r.pinned)
+        names = [e.name for e in snap.loaded if self.registry.state(e.name) == "loaded"]
+        log.info("LoRA registry carried over from the previous front door: %s (+%d in the ref cache)", names,
+                 len(snap.known))  # fmt: skip
 
     # ------------------------------------------------------------------ commands to the scheduler
     def _start_op(self, cmd_factory: Callable[[int], object]) -> tuple[int, asyncio.Future]:

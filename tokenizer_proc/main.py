@@ -463,9 +463,10 @@ class FrontDoorServer:
     async def load_initial_adapters(self) -> None:
         """Load ``--lora-paths`` adapters (deterministic uids) at the first start; any failure stops start-up.
 
-        A restarted front door loads nothing: its registry was rebuilt from what the workers hold, and a
-        start-up adapter they lack was unloaded by a user or lost (its files changed or vanished); loading it
-        again would bring back what was removed, under the uid of weights that no longer exist."""
+        A restarted front door loads nothing: its registry was carried over from the previous one (and the
+        workers' view), and a start-up adapter missing from both was unloaded by a user or lost (its files changed
+        or vanished); loading it again would bring back what was removed, under the uid of weights that no longer
+        exist."""
         if self.incarnation > 1:
             return
         for spec in self.args.lora_paths:
@@ -481,6 +482,8 @@ class FrontDoorServer:
         loop = asyncio.get_running_loop()
         loop.add_signal_handler(signal.SIGTERM, self.stop.set)
         # beat from the start: a front door that hangs while it syncs is found and restarted too
+        if self.incarnation > 1:  # before the first cluster view: it restores what the workers lack
+            self.door.lora.seed_from_journal()
         tasks = [asyncio.ensure_future(self.serve_scheduler()), asyncio.ensure_future(self.beat())]
         await self.sync_with_scheduler()
         if self.stop.is_set():

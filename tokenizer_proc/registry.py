@@ -10,7 +10,7 @@ request, host-tier eviction, failover restore, adoption and loss) changes a name
 
     gone/known --begin_load--> loading --finish_load--> loaded --begin_unload--> unloading --finish_unload--> gone
                                   (failed: back to gone/known)     (evict: ends known; restore: loaded -> loading)
-    known --forget--> gone        gone/known --adopt--> loaded     loaded --lose--> gone
+    known --forget--> gone        gone/known --adopt--> loaded     loaded --lose--> gone     gone --remember--> known
 
 ``known`` is the ref cache: an adapter evicted from the host tier, not resident on the workers. While a name is
 ``loading`` or ``unloading`` its :class:`Transition` says why (``load``, ``reload``, ``restore``, ``unload``,
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import uuid
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -34,6 +35,7 @@ from ipc.lora_config import (
     never_loaded_message,
     read_adapter_config,
 )
+from tokenizer_proc.registry_journal import JournalEntry, JournalRef, RegistrySnapshot
 
 State = Literal["gone", "known", "loading", "loaded", "unloading"]
 Kind = Literal["load", "reload", "restore", "unload", "evict"]
@@ -141,6 +143,7 @@ class LoraRegistry:
         # uid -> name of adapters that left the registry lately: a heartbeat sent before they left still lists them
         self._retired: OrderedDict[str, str] = OrderedDict()
         self._clock = 0
+        self.on_change: Callable[[], None] | None = None  # after each settled change (the front door's journal)
 
     # ------------------------------------------------------------------ queries
     def state(self, name: str) -> State:
@@ -309,12 +312,14 @@ class LoraRegistry:
                 return self.loaded[name]
             self.loaded.pop(name, None)
             self.refs.pop(name, None)
+            self._changed()
             return None
         if not ok:
             return None
         e = Entry(name, t.uid, t.path, t.rank, t.pinned, self._tick(), content_hash)
         self.loaded[name] = e
         self.refs[name] = (t.path, t.pinned)
+        self._changed()
         return e
 
     def begin_unload(self, name: str, evict: bool = False) -> Transition:
@@ -323,6 +328,7 @@ class LoraRegistry:
         e = self.loaded.pop(name)
         t = Transition("evict" if evict else "unload", e.uid, e.path, e.pinned, e.rank, e.content_hash)
         self.transitions[name] = t
+        self._changed()
         return t
 
     def finish_unload(self, name: str) -> State:
@@ -334,12 +340,14 @@ class LoraRegistry:
         self._retire(t.uid, name)
         if t.kind == "unload" or t.forget:
             self.refs.pop(name, None)
+        self._changed()
         return self.state(name)
 
     def forget(self, name: str) -> None:
         """known -> gone: drop a name only the ref cache knows."""
         self._expect(name, ("known",), "forget")
         del self.refs[name]
+        self._changed()
 
     def adopt(self, name: str, uid: str, path: str, pinned: bool, content_hash: str) -> Entry:
         """gone/known -> loaded: an adapter the workers hold (a restarted front door rebuilds its registry).
@@ -352,7 +360,14 @@ class LoraRegistry:
         e = Entry(name, uid, path, rank, pinned, self._tick(), content_hash)
         self.loaded[name] = e
         self.refs[name] = (path, pinned)
+        self._changed()
         return e
+
+    def remember(self, name: str, path: str, pinned: bool) -> None:
+        """gone -> known: a name the ref cache held before this front door restarted (reloaded when requested)."""
+        self._expect(name, ("gone",), "remember")
+        self.refs[name] = (path, pinned)
+        self._changed()
 
     def lose(self, name: str, uid: str) -> None:
         """Adapter ``uid`` could not be restored after a worker restart: the name ends ``gone`` (at once, or
@@ -368,6 +383,18 @@ class LoraRegistry:
                 self._retire(e.uid, name)
             self.loaded.pop(name, None)
             self.refs.pop(name, None)
+            self._changed()
+
+    def snapshot(self) -> RegistrySnapshot:
+        """The settled adapters: every ``loaded`` entry (restores included: they keep their uid) and every ``known``
+        name, sorted by name; names in a load or unload are left out."""
+        loaded = [JournalEntry(n, e.uid, e.path, e.pinned, e.content_hash) for n, e in sorted(self.loaded.items())]
+        known = [JournalRef(n, *self.refs[n]) for n in sorted(self.refs) if self.state(n) == "known"]
+        return RegistrySnapshot(loaded, known)
+
+    def _changed(self) -> None:
+        if self.on_change is not None:
+            self.on_change()
 
     def _tick(self) -> int:
         self._clock += 1
