@@ -188,6 +188,7 @@ def read_adapter(
             run.append((layer, ka, kb, scale))
     out: list[ModuleRun] = []
     sums: list[torch.Tensor] = []
+    overflow: str | None = None  # the first module whose scaled B leaves the dtype's range
     for (module, first, r), items in runs.items():
         # one dtype per stack (a file may mix them); a no-op for the usual single-dtype file
         common = functools.reduce(torch.promote_types, [tensors[k].dtype for _, ka, kb, _ in items for k in (ka, kb)])
@@ -199,6 +200,11 @@ def read_adapter(
         scale: float | torch.Tensor = scales[0]
         if any(s != scales[0] for s in scales):  # alpha_pattern / rank_pattern per layer
             scale = torch.tensor(scales, dtype=torch.float32).view(-1, 1, 1)
+        # the scaling is folded into B: a huge lora_alpha (or alpha_pattern) must not overflow the slots' dtype.
+        # Checked on the whole B every rank reads, so all ranks agree (a NaN fails here too; the sums name it below)
+        peak = b.float().abs().amax(dim=(1, 2)) * (scale.view(-1) if isinstance(scale, torch.Tensor) else scale)
+        if overflow is None and not bool((peak <= torch.finfo(dtype).max).all()):
+            overflow = f"{module} (layers from {first}, scaling up to {max(scales):.3g})"
         lo, hi = shard_range(cfg, plan, module)
         if module in COLUMN_MODULES:
             a_loc, b_loc = a, b[:, lo:hi]
@@ -213,5 +219,10 @@ def read_adapter(
         raise LoraWeightsError(
             f"LoRA adapter {name}: {bad[0]} or {bad[1]} holds NaN or Inf, or values so large that their fp32 sum "
             "overflows"
+        )
+    if overflow is not None:
+        raise LoraWeightsError(
+            f"LoRA adapter {name}: lora_B of {overflow} times its scaling (lora_alpha / r, or alpha_pattern) exceeds "
+            f"the largest {str(dtype).removeprefix('torch.')} value {torch.finfo(dtype).max:.3g}; lower lora_alpha"
         )
     return out

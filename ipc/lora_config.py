@@ -261,12 +261,15 @@ def read_adapter_config(
         if raw.get(field):
             raise _refuse(name, field, raw[field], "changes the model in a way Loom does not implement")
     r = raw.get("r")
-    if not isinstance(r, int) or r <= 0:
+    if isinstance(r, bool) or not isinstance(r, int) or r <= 0:
         raise LoraConfigError(f"LoRA adapter {name}: {CONFIG_FILE} field r={r!r} must be a positive integer")
     alpha = raw.get("lora_alpha", r)
     if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not alpha > 0:
         why = f"{CONFIG_FILE} field lora_alpha={alpha!r} must be a positive number"
         raise LoraConfigError(f"LoRA adapter {name}: {why}")
+    rslora = raw.get("use_rslora", False)
+    if rslora is not None and not isinstance(rslora, bool):  # bool("false") is True: a string would flip the scaling
+        raise LoraConfigError(f"LoRA adapter {name}: {CONFIG_FILE} field use_rslora={rslora!r} must be true or false")
     tm = raw.get("target_modules")
     if isinstance(tm, str) and tm.lower() == ALL_LINEAR:
         tm = list(LLAMA_LORA_MODULES)  # PEFT expands the shorthand the same way when it loads the adapter
@@ -304,15 +307,18 @@ def read_adapter_config(
     rank_pattern = raw.get("rank_pattern") or {}
     alpha_pattern = raw.get("alpha_pattern") or {}
     for field, pat in (("rank_pattern", rank_pattern), ("alpha_pattern", alpha_pattern)):
-        if not isinstance(pat, dict) or any(not isinstance(v, (int, float)) or v <= 0 for v in pat.values()):
-            raise LoraConfigError(f"LoRA adapter {name}: {CONFIG_FILE} field {field} must map patterns to numbers > 0")
+        kinds = int if field == "rank_pattern" else (int, float)  # a rank of 8.5 is not a rank
+        if not isinstance(pat, dict) or any(isinstance(v, bool) or not isinstance(v, kinds) or not v > 0
+                                            for v in pat.values()):  # fmt: skip
+            what = "integers" if field == "rank_pattern" else "numbers"
+            raise LoraConfigError(f"LoRA adapter {name}: {CONFIG_FILE} field {field} must map patterns to {what} > 0")
         for key in pat:
             _compile(name, field, rf"(.*\.)?(?:{key})")
     return LoraAdapterConfig(
         name=name,
         r=r,
         lora_alpha=float(alpha),
-        use_rslora=bool(raw.get("use_rslora", False)),
+        use_rslora=bool(rslora),
         target_modules=targets,
         rank_pattern={str(k): int(v) for k, v in rank_pattern.items()},
         alpha_pattern={str(k): float(v) for k, v in alpha_pattern.items()},

@@ -72,7 +72,12 @@ def test_regex_target_modules_and_ignored_fields(tmp_path):
         ("lora_alpha", -1, "field lora_alpha=-1 must be a positive number"),
         ("lora_alpha", "16", "field lora_alpha='16' must be a positive number"),
         ("lora_alpha", True, "field lora_alpha=True must be a positive number"),
-        ("rank_pattern", {"q_proj": 0}, "field rank_pattern must map patterns to numbers > 0"),
+        ("rank_pattern", {"q_proj": 0}, "field rank_pattern must map patterns to integers > 0"),
+        ("rank_pattern", {"q_proj": 8.5}, "field rank_pattern must map patterns to integers > 0"),
+        ("alpha_pattern", {"q_proj": True}, "field alpha_pattern must map patterns to numbers > 0"),
+        ("r", True, "field r=True must be a positive integer"),
+        ("use_rslora", "false", "field use_rslora='false' must be true or false"),
+        ("use_rslora", 1, "field use_rslora=1 must be true or false"),
     ],
 )
 def test_fields_that_change_the_maths_are_refused(tmp_path, field, value, text):

@@ -89,3 +89,22 @@ def test_non_finite_or_overflowing_weights_are_refused_naming_the_pair(tmp_path,
         pool.load("u", "bad", str(folder))
     assert name in str(e.value) and "bad" in str(e.value)
     assert pool.host == {}
+
+
+@pytest.mark.parametrize(
+    ("fields", "module"),
+    [({"lora_alpha": 1e300}, ""), ({"alpha_pattern": {"q_proj": 1e300}}, "q_proj")],
+    ids=["alpha", "pattern"],
+)
+def test_a_scaling_that_overflows_the_slot_dtype_is_refused_at_load(tmp_path, fields, module):
+    """The scaling (lora_alpha / r) is folded into B at load: a huge one would make every request for the adapter
+    fail with non-finite logits, so the load is refused, naming the module and the limit."""
+    folder = write_adapter(tmp_path / "a", r=4)
+    _edit_config(folder, **fields)
+    pool = tiny_pool()
+    with pytest.raises(LoraWeightsError, match="times its scaling .* exceeds the largest float32 value") as e:
+        pool.load("u", "big", str(folder))
+    assert f"LoRA adapter big: lora_B of {module}" in str(e.value) and "lower lora_alpha" in str(e.value)
+    assert pool.host == {}
+    _edit_config(folder, lora_alpha=8, alpha_pattern={})  # a sane scaling of the same weights loads
+    pool.load("u", "big", str(folder))
