@@ -33,6 +33,7 @@ from typing import Any
 import msgspec
 import zmq
 
+from ipc.client import endpoint_problem
 from ipc.codec import Codec, WireError
 from ipc.config import (
     DEFAULT_CHUNKED_PREFILL_SIZE,
@@ -331,9 +332,24 @@ def check_sizes(ns: argparse.Namespace) -> None:
         )  # fmt: skip
 
 
+def check_addresses(ns: argparse.Namespace) -> None:
+    """Refuse a client-facing address no client could reach, before the model loads (ZeroMQ itself binds a TCP
+    port past 65535 modulo 65536, so the cluster would announce an address it does not listen on).
+
+    Raises:
+        FlagError: naming the flag and the value.
+    """
+    problem = endpoint_problem(ns.zmq_endpoint)
+    if problem:
+        raise FlagError(f"--zmq-endpoint {ns.zmq_endpoint}: {problem}")
+    if not 0 <= ns.http_port <= 65535:
+        raise FlagError(f"--http-port {ns.http_port}: must be 1-65535 (or 0: no HTTP API)")
+
+
 def to_server_args(ns: argparse.Namespace) -> ServerArgs:
     """Resolve the model (converting a GGUF once) and build the config tree every process gets."""
     served_as_given = ns.served_model_name or ns.model_path or DEFAULT_SERVED_MODEL_NAME
+    check_addresses(ns)
     check_sizes(ns)
     if ns.lora_paths and not ns.enable_lora:
         raise FlagError("--lora-paths needs --enable-lora")

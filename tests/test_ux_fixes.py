@@ -105,6 +105,25 @@ def test_endpoint_zmq_takes_but_no_server_can_have_is_refused(endpoint, why):
         AsyncLoomClient(endpoint)
 
 
+@pytest.mark.parametrize(
+    ("flags", "why"),
+    [
+        (["--zmq-endpoint", "tcp://127.0.0.1:99999"], "--zmq-endpoint tcp://127.0.0.1:99999: TCP port 99999"),
+        (["--zmq-endpoint", "inproc://loom"], "--zmq-endpoint inproc://loom: inproc:// reaches only sockets inside"),
+        (["--http-port", "70000"], "--http-port 70000: must be 1-65535"),
+        (["--http-port", "-1"], "--http-port -1: must be 1-65535"),
+    ],
+)
+def test_launch_refuses_an_address_no_client_could_reach_before_loading_anything(flags, why, caplog):
+    """ZeroMQ bound tcp port 99999 as 34463 while the cluster announced 99999; --http-port 70000 loaded the model,
+    then the front door died with a traceback. Both now exit 2 with one line, before any process starts."""
+    import launch
+
+    t = time.monotonic()
+    assert launch.main(flags) == 2
+    assert why in caplog.text and time.monotonic() - t < 5.0
+
+
 @pytest.mark.parametrize("endpoint", [5555, None])
 def test_an_endpoint_that_is_not_a_string_is_a_loom_error(endpoint):
     """It used to escape as AttributeError ('int' object has no attribute 'partition')."""
