@@ -35,7 +35,7 @@ import math
 import time
 import uuid
 from collections import deque
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -157,6 +157,25 @@ class _Conn:
         self.sock.close()
 
 
+def _oversized_int(obj: object, path: str = "") -> str | None:
+    """The dotted path of the first integer msgpack cannot hold in ``obj`` (a Struct, dict or list tree), or None."""
+    if isinstance(obj, int) and not isinstance(obj, bool):
+        return path if not -(2**63) <= obj < 2**64 else None
+    if isinstance(obj, msgspec.Struct):
+        items: Iterable[tuple[str, object]] = ((f, getattr(obj, f)) for f in obj.__struct_fields__)
+    elif isinstance(obj, dict):
+        items = ((str(k), v) for k, v in obj.items())
+    elif isinstance(obj, (list, tuple)):
+        items = ((str(i), v) for i, v in enumerate(obj))
+    else:
+        return None
+    for key, value in items:
+        found = _oversized_int(value, f"{path}.{key}" if path else key)
+        if found:
+            return found
+    return None
+
+
 def endpoint_problem(endpoint: object) -> str:
     """Why a client cannot reach a Loom server at ``endpoint`` ("" when it may): ZeroMQ itself takes a
     ``tcp://`` port past 65535 and ``inproc://`` (this process only), then waits on them as if the server were down."""
@@ -270,6 +289,13 @@ class _ClientBase:
             raise LoomError(
                 f"the request holds text that is not valid Unicode: a lone surrogate "
                 f"({', '.join(f'U+{ord(c):04X}' for c in bad)} at position {e.start}), which UTF-8 cannot encode",
+                "bad_request",
+                getattr(msg, "rid", "") or "",
+            ) from None
+        except OverflowError:  # msgpack holds integers in -2**63 .. 2**64 - 1
+            where = _oversized_int(msg) or "a field"
+            raise LoomError(
+                f"{where} is an integer outside -2**63 .. 2**64 - 1, which no request field can hold",
                 "bad_request",
                 getattr(msg, "rid", "") or "",
             ) from None

@@ -222,6 +222,27 @@ def test_text_utf8_cannot_encode_is_a_bad_request_before_anything_is_sent(sock_d
     assert not list(sock_dir.iterdir())
 
 
+@pytest.mark.parametrize(
+    ("sp", "field"), [({"seed": 2**64}, "seed"), ({"max_new_tokens": 10**23}, "max_new_tokens")], ids=["seed", "max"]
+)
+def test_an_integer_msgpack_cannot_hold_is_a_bad_request_naming_the_field(sock_dir, sp, field):
+    """It used to escape as OverflowError ("can't serialize ints ..."), a traceback from generate.py."""
+    endpoint = _dead_endpoints(sock_dir)[0]
+    why = f"sampling_params.{field} is an integer outside -2**63 .. 2**64 - 1"
+    with LoomClient(endpoint, timeout_s=60) as c:
+        with pytest.raises(LoomError) as e:
+            c.generate("hi", sampling_params=sp)
+        assert e.value.kind == "bad_request" and why in e.value.message
+
+    async def scenario() -> None:
+        async with AsyncLoomClient(endpoint, timeout_s=60) as c:
+            with pytest.raises(LoomError, match=why.replace("*", r"\*")):
+                await c.generate("hi", sampling_params=sp)
+
+    asyncio.run(scenario())
+    assert not list(sock_dir.iterdir())
+
+
 @pytest.mark.parametrize("which", [0, 1], ids=["ipc", "tcp"])
 def test_never_there_async_fails_within_3s(sock_dir, which):
     endpoint = _dead_endpoints(sock_dir)[which]
