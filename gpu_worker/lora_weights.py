@@ -157,6 +157,13 @@ def read_adapter(
                 f"LoRA adapter {name}: tensor {ab['A']} has shape {list(a.shape)}, expected [r, {fin}]"
             )
         if b.dim() != 2 or tuple(b.shape) != (fout, r):
+            mpath = module_path(layer, module)
+            want = acfg.rank_for(mpath) if acfg.targets(mpath) else -1
+            if b.dim() == 2 and tuple(b.shape) == (fout, want):  # B agrees with the config: A's rank is off
+                raise LoraWeightsError(
+                    f"LoRA adapter {name}: tensor {ab['A']} has rank {r} but adapter_config.json (r / rank_pattern) "
+                    f"says {want}, as its lora_B {list(b.shape)} does"
+                )
             raise LoraWeightsError(
                 f"LoRA adapter {name}: tensor {ab['B']} has shape {list(b.shape)}, expected [{fout}, {r}]"
             )

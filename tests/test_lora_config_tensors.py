@@ -108,3 +108,16 @@ def test_a_scaling_that_overflows_the_slot_dtype_is_refused_at_load(tmp_path, fi
     assert pool.host == {}
     _edit_config(folder, lora_alpha=8, alpha_pattern={})  # a sane scaling of the same weights loads
     pool.load("u", "big", str(folder))
+
+
+def test_an_a_whose_rank_disagrees_with_the_config_and_its_b_is_named(tmp_path):
+    """lora_A [11, in] with r=8 and a correct lora_B [out, 8]: the error blames A's rank, not B's shape."""
+    name = "base_model.model.model.layers.0.mlp.down_proj.lora_A.weight"
+    clean = write_adapter(tmp_path / "clean", r=8)
+    from safetensors.torch import load_file
+
+    a = load_file(str(clean / "adapter_model.safetensors"))[name]
+    folder = write_adapter(tmp_path / "a", r=8, tensor_overrides={name: torch.zeros(11, a.shape[1])})
+    with pytest.raises(LoraWeightsError) as e:
+        tiny_pool().load("u", "bad", str(folder))
+    assert f"tensor {name} has rank 11 but adapter_config.json (r / rank_pattern) says 8" in str(e.value)
