@@ -230,6 +230,9 @@ def test_unload_unknown_name_fails(client):
     with pytest.raises(LoomError, match="/nonexistent") as e:  # a refused load stays a bad request
         client.load_lora_adapter("ghost2", "/nonexistent")
     assert e.value.kind == "bad_request"
+    with pytest.raises(LoomError, match="LoRA adapter name is empty") as e:  # as a load of "" is refused
+        client.unload_lora_adapter("")
+    assert e.value.kind == "bad_request"
 
 
 def test_adapters_script_lists_name_uid_path_rank_pinned_slots(cluster, client, root):

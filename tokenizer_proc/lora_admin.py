@@ -287,9 +287,11 @@ class LoraAdmin:
 
         Raises:
             UnknownAdapter: no part of the cluster knows ``name``.
-            AdapterRefused: another call is loading or unloading ``name`` (nothing changed).
+            AdapterRefused: ``name`` is empty, or another call is loading or unloading it (nothing changed).
             RuntimeError: the scheduler did not answer.
         """
+        if not name.strip():  # as a load of that name is refused (400), not a never-loaded 404
+            raise AdapterRefused("LoRA adapter name is empty: name the adapter to unload")
         await self._wait_for_cluster_work(name, "unload")
         st = self.registry.state(name)
         if st == "gone":
