@@ -161,6 +161,9 @@ def test_check_prompt_chars():
     check_prompt_chars("text", 90, max_new_tokens=1, context_len=10, max_token_chars=10)
     with pytest.raises(BadRequest, match=r"text is 91 characters, longer than the 90 characters"):
         check_prompt_chars("text", 91, max_new_tokens=1, context_len=10, max_token_chars=10)
+    # max_new_tokens that takes the whole context: the message says that, not "longer than the 0 characters"
+    with pytest.raises(BadRequest, match=r"max_tokens \(10\) leaves no room for the text in the context length 10: "):
+        check_prompt_chars("text", 2, max_new_tokens=10, context_len=10, max_token_chars=10, limit_name="max_tokens")
 
 
 def test_longest_token_chars_bounds_every_token(text_codec):

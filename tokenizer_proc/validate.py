@@ -121,6 +121,12 @@ def check_prompt_chars(
     """
     budget = max(0, context_len - max_new_tokens)
     limit = budget * max_token_chars
+    if n_chars > limit and budget == 0:
+        raise PromptTooLong(
+            f"{limit_name} ({max_new_tokens}) leaves no room for the {what} in the context length {context_len}: "
+            f"lower {limit_name} below {context_len}",
+            field,
+        )
     if n_chars > limit:
         raise PromptTooLong(
             f"{what} is {n_chars} characters, longer than the {limit} characters that could ever fit: "
