@@ -97,7 +97,10 @@ def _request(
     rid: str | None,
     return_logprob: bool = False,
     top_logprobs_num: int = 0,
+    allow_special_tokens_in_content: bool = False,
 ) -> GenerateReq:
+    if rid == "":  # as the server refuses it; None picks a fresh id
+        raise LoomError("rid must not be empty (pass None for a fresh one)", "bad_request")
     fields = {
         "text": text,
         "input_ids": input_ids,
@@ -105,9 +108,10 @@ def _request(
         "sampling_params": sampling_params or {},
         "stream": stream,
         "lora_path": lora_path,
-        "rid": rid or uuid.uuid4().hex,
+        "rid": uuid.uuid4().hex if rid is None else rid,
         "return_logprob": return_logprob,
         "top_logprobs_num": top_logprobs_num,
+        "allow_special_tokens_in_content": allow_special_tokens_in_content,
     }
     try:  # the whole request at once, so an error names the field's full path ($.sampling_params.top_k)
         return msgspec.convert(fields, GenerateReq)
@@ -549,12 +553,15 @@ class LoomClient(_ClientBase):
         retry: bool | None = None,
         return_logprob: bool = False,
         top_logprobs_num: int = 0,
+        allow_special_tokens_in_content: bool = False,
     ) -> dict[str, Any] | Iterator[dict[str, Any]]:
         """Generate from exactly one of ``text``, ``input_ids`` or chat ``messages``.
 
         With ``return_logprob`` the result's ``meta_info`` carries ``output_token_logprobs`` (``[logprob,
         token_id]`` per generated token) and, with ``top_logprobs_num`` = k in 1..20, ``output_top_logprobs``
-        (the k most likely ``[logprob, token_id]`` at each position).
+        (the k most likely ``[logprob, token_id]`` at each position). ``allow_special_tokens_in_content`` (chat
+        only, trusted callers): special-token text in a message's content becomes control tokens (README: Request
+        fields). ``rid`` None picks a fresh id; "" is refused.
 
         Returns the result dict, or (``stream=True``) an iterator of cumulative result dicts; closing the
         iterator early aborts the request. ``retry`` overrides the client's choice of resubmitting this
@@ -563,7 +570,16 @@ class LoomClient(_ClientBase):
         the server cannot be reached, ``server_error`` when a resumed stream diverged.
         """
         req = _request(
-            text, input_ids, messages, sampling_params, stream, lora_path, rid, return_logprob, top_logprobs_num
+            text,
+            input_ids,
+            messages,
+            sampling_params,
+            stream,
+            lora_path,
+            rid,
+            return_logprob,
+            top_logprobs_num,
+            allow_special_tokens_in_content,
         )
         frame = self._encode(req)
         self._refresh()
@@ -816,6 +832,7 @@ class AsyncLoomClient(_ClientBase):
             kw.get("rid"),
             kw.get("return_logprob", False),
             kw.get("top_logprobs_num", 0),
+            kw.get("allow_special_tokens_in_content", False),
         )
         rid = req.rid
         if rid in self._queues:  # would steal the running request's replies: refuse before sending

@@ -51,6 +51,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lora", default=None, help="adapter name (default: base model)")
     p.add_argument("--stream", action="store_true", help="print text as it is generated")
     p.add_argument(
+        "--allow-special-tokens-in-content",
+        action="store_true",
+        help="chat only (trusted callers): special-token text in a message's content becomes control tokens",
+    )
+    p.add_argument(
         "--json", action="store_true", help="print the result as JSON (with --stream: one JSON line per chunk)"
     )
     p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for a reply (default %(default)s)")
@@ -135,6 +140,7 @@ def main(argv: list[str] | None = None) -> int:
                 stream=a.stream,
                 lora_path=a.lora,
                 retry=a.retry,
+                allow_special_tokens_in_content=a.allow_special_tokens_in_content,
             )
             if a.stream:
                 for chunk in out:

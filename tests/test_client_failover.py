@@ -243,6 +243,32 @@ def test_an_integer_msgpack_cannot_hold_is_a_bad_request_naming_the_field(sock_d
     assert not list(sock_dir.iterdir())
 
 
+def test_every_request_field_is_a_client_argument_and_an_empty_rid_is_refused(sock_dir):
+    """The README's request fields hold for the ZMQ client too: allow_special_tokens_in_content reaches the server
+    (it could be set over HTTP only); rid "" is refused as the server refuses it (it was silently replaced)."""
+    endpoint = f"ipc://{sock_dir}/capture.sock"
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.bind(endpoint)
+    try:
+        with LoomClient(endpoint, timeout_s=0.5, retry=False) as c:
+            msgs = [{"role": "user", "content": "hi"}]
+            with pytest.raises(LoomError):  # nobody answers: it times out after sending
+                c.generate(messages=msgs, allow_special_tokens_in_content=True, rid="r1", sampling_params=GREEDY)
+            with pytest.raises(LoomError, match="rid must not be empty") as e:
+                c.generate("hi", rid="", sampling_params=GREEDY)
+            assert e.value.kind == "bad_request"
+        codec = Codec(ClientMsg)
+        sent = []
+        while router.poll(1000):
+            sent.append(codec.decode(router.recv_multipart()[-1]))
+        reqs = [m for m in sent if isinstance(m, GenerateReq)]
+        assert [(r.rid, r.allow_special_tokens_in_content) for r in reqs] == [("r1", True)], sent
+    finally:
+        router.close(0)
+        ctx.term()
+
+
 @pytest.mark.parametrize("which", [0, 1], ids=["ipc", "tcp"])
 def test_never_there_async_fails_within_3s(sock_dir, which):
     endpoint = _dead_endpoints(sock_dir)[which]
