@@ -10,6 +10,7 @@ from types import SimpleNamespace
 from lora_helpers import DUMMY_ENDPOINTS, real_adapters, server_args
 
 from ipc.config import Endpoints
+from ipc.lora_config import adapter_content_hash
 from tokenizer_proc.lora_admin import LoraAdmin
 from tokenizer_proc.registry import LoraRegistry
 from tokenizer_proc.registry_journal import JOURNAL_FILE, JournalEntry, JournalRef, RegistryJournal, RegistrySnapshot
@@ -53,26 +54,32 @@ def test_each_settled_change_is_written_and_read_back(tmp_path):
     assert (tmp_path / JOURNAL_FILE).is_file() and not list(tmp_path.glob("*.tmp"))
 
 
-def test_a_restarted_front_door_seeds_its_registry_and_reports_vanished_folders(tmp_path):
+def test_a_restarted_front_door_carries_over_what_the_workers_lack_and_reports_changed_files(tmp_path):
     ad = real_adapters()
-    doomed = tmp_path / "doomed"
+    doomed, changed = tmp_path / "doomed", tmp_path / "changed"
     shutil.copytree(ad["r16-attn"], doomed)
+    shutil.copytree(ad["r8-all"], changed)
     old = _admin(tmp_path)
-    ua = _load(old.registry, "a", ad["r8-all"], pinned=True, content_hash="ha")
-    _load(old.registry, "c", doomed)
+    ua = _load(old.registry, "a", ad["r8-all"], pinned=True, content_hash=adapter_content_hash(ad["r8-all"], "a"))
+    _load(old.registry, "c", doomed, content_hash=adapter_content_hash(doomed, "c"))
+    _load(old.registry, "x", changed, content_hash=adapter_content_hash(changed, "x"))
+    uh = _load(old.registry, "h", ad["r32-qv"], content_hash="whatever")
     _load(old.registry, "e", ad["r32-qv"])
     old.registry.begin_unload("e", evict=True)
     old.registry.finish_unload("e")
     shutil.rmtree(doomed)
+    (changed / "adapter_config.json").write_text((changed / "adapter_config.json").read_text() + " ")
 
     new = _admin(tmp_path)
     new.seed_from_journal()
+    assert new.registry.loaded == {}  # nothing is taken before the workers' view says what they hold
+    new._carry_over(new._carried, held={uh})  # the workers still hold h: adopted by the view's own checks
     reg = new.registry
-    assert reg.state("a") == "loaded" and reg.state("c") == "gone" and reg.state("e") == "known"
+    assert [reg.state(n) for n in ("a", "c", "x", "h", "e")] == ["loaded", "gone", "gone", "gone", "known"]
     e = reg.loaded["a"]
-    assert (e.uid, e.path, e.pinned, e.content_hash, e.rank) == (ua, str(ad["r8-all"]), True, "ha", 8)
-    assert new.health.adapters_lost == 1
-    # the seeded registry is journalled again (c gone), so a second restart does not report c twice
+    assert (e.uid, e.path, e.pinned, e.rank) == (ua, str(ad["r8-all"]), True, 8)
+    assert new.health.adapters_lost == 2  # c (folder gone) and x (files changed)
+    # the carried-over registry is journalled again, so a second restart does not report c and x twice
     assert [x.name for x in new.journal.read().loaded] == ["a"]
 
 
@@ -81,7 +88,7 @@ def test_a_torn_journal_is_ignored(tmp_path):
     assert RegistryJournal(tmp_path / JOURNAL_FILE).read() is None
     admin = _admin(tmp_path)
     admin.seed_from_journal()
-    assert admin.registry.loaded == {} and admin.health.adapters_lost == 0
+    assert admin._carried is None and admin.registry.loaded == {} and admin.health.adapters_lost == 0
 
 
 def test_without_a_cluster_folder_nothing_is_written(tmp_path):

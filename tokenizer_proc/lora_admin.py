@@ -40,7 +40,7 @@ from ipc.messages import (
     LostAdapter,
 )
 from tokenizer_proc.registry import AdapterRefused, IllegalTransition, Kind, LoraRegistry, Transition
-from tokenizer_proc.registry_journal import JOURNAL_FILE, RegistryJournal
+from tokenizer_proc.registry_journal import JOURNAL_FILE, RegistryJournal, RegistrySnapshot
 from tokenizer_proc.validate import BadRequest
 
 log = logging.getLogger("tokenizer")
@@ -88,25 +88,34 @@ class LoraAdmin:
         folder = args.endpoints.socket_dir
         self.journal = RegistryJournal(Path(folder) / JOURNAL_FILE if folder else None)
         self.registry.on_change = lambda: self.journal.save(self.registry.snapshot())
+        self._carried: RegistrySnapshot | None = None  # a restarted front door's journal until its first view
 
     def seed_from_journal(self) -> None:
-        """A restarted front door, before its first cluster view: take the previous incarnation's settled adapters
-        (``tokenizer_proc/registry_journal.py``) as its registry, so that adapters the workers lack too (they were
-        restarted as well) are restored under the same uids instead of being dropped. An adapter whose folder no
-        longer reads is reported lost (its requests fail as never loaded)."""
-        snap = self.journal.read()
-        if snap is None:
-            return
+        """A restarted front door, before its first cluster view: keep the previous incarnation's settled adapters
+        (``tokenizer_proc/registry_journal.py``) for :meth:`on_cluster_view`, which carries over those the workers
+        lack too (they were restarted as well), so they are restored under the same uids instead of dropped."""
+        self._carried = self.journal.read()
+
+    def _carry_over(self, snap: RegistrySnapshot, held: set[str]) -> None:
+        """Take ``snap``'s adapters that the workers do not hold (those they hold were adopted, with their checks)
+        into the registry when their files still hash as at their first load; report the rest lost (their requests
+        fail as never loaded). Names only the ref cache knew are remembered."""
+        carried = []
         for e in snap.loaded:
+            if e.uid in held or self.registry.state(e.name) != "gone":
+                continue
             try:
+                if adapter_content_hash(e.path, e.name) != e.content_hash:
+                    raise LoraConfigError(f"the files in {e.path} changed since it was loaded")
                 self.registry.adopt(e.name, e.uid, e.path, e.pinned, e.content_hash)
-            except LoraConfigError as err:
+                carried.append(e.name)
+            except (LoraConfigError, OSError) as err:
                 self.health.adapters_lost += 1
                 log.error("LoRA adapter %s (uid %s) could not be carried over and was removed: %s", e.name, e.uid, err)
         for r in snap.known:
-            self.registry.remember(r.name, r.path, r.pinned)
-        names = [e.name for e in snap.loaded if self.registry.state(e.name) == "loaded"]
-        log.info("LoRA registry carried over from the previous front door: %s (+%d in the ref cache)", names,
+            if self.registry.state(r.name) == "gone":
+                self.registry.remember(r.name, r.path, r.pinned)
+        log.info("LoRA registry carried over from the previous front door: %s (+%d in the ref cache)", carried,
                  len(snap.known))  # fmt: skip
 
     # ------------------------------------------------------------------ commands to the scheduler
@@ -373,6 +382,9 @@ class LoraAdmin:
         for a in view.adapters:
             if a.uid not in tracked:
                 self._adopt(a)
+        if self._carried is not None:  # the first view after this front door restarted
+            snap, self._carried = self._carried, None
+            self._carry_over(snap, held)
         restores: list[tuple[str, int, asyncio.Future]] = []
         for name, e in sorted(self.registry.loaded.items()):
             if e.uid in held or self.registry.busy(name) is not None:

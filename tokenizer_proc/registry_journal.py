@@ -5,10 +5,11 @@ A restarted front door rebuilds its registry from what the workers hold (:meth:`
 adopts those adapters). When the front door, the scheduler and every TP rank die together (one ``kill -9`` of
 each in a drill, or a host-wide OOM kill), nothing holds the adapters any more: without this file every adapter,
 the ``--lora-paths`` ones included, was gone and requests for them failed as never loaded. The front door now
-rewrites this file (atomically) after every change of its registry; the next incarnation seeds its registry from
-it before its first cluster view, so the adapters the workers lack are restored under the same uids, and the
-ranks check each one's content hash (changed or vanished files: the adapter is reported lost and its requests
-fail as never loaded). The file lives in the cluster's private socket folder, removed with the cluster.
+rewrites this file (atomically) after every change of its registry; the next incarnation reads it at start and,
+at its first cluster view, carries over the adapters the workers lack when their files still hash as at their
+first load (``LoraAdmin._carry_over``), so they are restored under the same uids (changed or vanished files: the
+adapter is reported lost and its requests fail as never loaded). The file lives in the cluster's private socket
+folder, removed with the cluster.
 """
 
 from __future__ import annotations
