@@ -156,17 +156,6 @@ def read_adapter(
             raise LoraWeightsError(
                 f"LoRA adapter {name}: tensor {ab['A']} has shape {list(a.shape)}, expected [r, {fin}]"
             )
-        if b.dim() != 2 or tuple(b.shape) != (fout, r):
-            mpath = module_path(layer, module)
-            want = acfg.rank_for(mpath) if acfg.targets(mpath) else -1
-            if b.dim() == 2 and tuple(b.shape) == (fout, want):  # B agrees with the config: A's rank is off
-                raise LoraWeightsError(
-                    f"LoRA adapter {name}: tensor {ab['A']} has rank {r} but adapter_config.json (r / rank_pattern) "
-                    f"says {want}, as its lora_B {list(b.shape)} does"
-                )
-            raise LoraWeightsError(
-                f"LoRA adapter {name}: tensor {ab['B']} has shape {list(b.shape)}, expected [{fout}, {r}]"
-            )
         mpath = module_path(layer, module)
         if not acfg.targets(mpath):
             raise LoraWeightsError(
@@ -178,6 +167,11 @@ def read_adapter(
             raise LoraWeightsError(
                 f"LoRA adapter {name}: tensor {ab['A']} has rank {r} but adapter_config.json "
                 f"(r / rank_pattern) says {want}"
+            )
+        # B after A's rank: a B that agrees with the config next to a wrong A is A's error, not B's
+        if b.dim() != 2 or tuple(b.shape) != (fout, r):
+            raise LoraWeightsError(
+                f"LoRA adapter {name}: tensor {ab['B']} has shape {list(b.shape)}, expected [{fout}, {r}]"
             )
         if r > max_rank:
             raise LoraWeightsError(f"LoRA adapter {name}: tensor {ab['A']} has rank {r} > --max-lora-rank {max_rank}")
