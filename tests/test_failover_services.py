@@ -68,6 +68,15 @@ def wait_healthy(port: int, timeout_s: float = 60) -> None:
     raise AssertionError("the front door did not come back")
 
 
+def restarts_besides_a_split(h, port: int) -> dict[str, float]:
+    """``loom_process_restarts`` without the TP group's replacement when a scheduler died between its sends of one
+    step (a rank stuck in that step's all-reduce is found and the group replaced; any kill of the scheduler
+    mid-decode can cause it, and the launcher may count it a moment after the log says so)."""
+    log = h.log()
+    split = "is hung (ranks [" in log and "silent); asking the launcher to replace it" in log
+    return {k: v for k, v in restarts_metric(port).items() if not (split and k == "gpu_worker")}
+
+
 def test_scheduler_and_front_door_restarts_keep_requests_and_adapters(tmp_path):
     ad = real_adapters()
     doomed = tmp_path / "doomed"
@@ -91,7 +100,7 @@ def test_scheduler_and_front_door_restarts_keep_requests_and_adapters(tmp_path):
         with LoomClient(h.endpoint) as c:
             assert {a["name"]: a["pinned"] for a in c.list_loras()} == {"a": False, "c": False, "p": True}
         # the cluster log (the assertion message) says which process restarted, and why
-        assert restarts_metric(port) == {"scheduler_proc": 1}, h.log()[-4000:]
+        assert restarts_besides_a_split(h, port) == {"scheduler_proc": 1}, h.log()[-4000:]
 
         # the front door dies mid-decode: greedy clients resubmit and get the same tokens ...
         seen = counter_samples(port)
@@ -104,7 +113,7 @@ def test_scheduler_and_front_door_restarts_keep_requests_and_adapters(tmp_path):
         back = {k: (v, now.get(k)) for k, v in seen.items() if now.get(k, -1.0) < v}
         assert not back and now[("loom_generation_tokens_total", ())] > seen[("loom_generation_tokens_total", ())], back
         assert adapter_uids(h.endpoint) == uids
-        assert restarts_metric(port) == {"scheduler_proc": 1, "tokenizer_proc": 1}, h.log()[-4000:]
+        assert restarts_besides_a_split(h, port) == {"scheduler_proc": 1, "tokenizer_proc": 1}, h.log()[-4000:]
 
         # a hung scheduler or front door (SIGSTOP) stops its heartbeats: the launcher kills and restarts it
         for target in ("scheduler_proc", "tokenizer_proc"):
@@ -116,9 +125,7 @@ def test_scheduler_and_front_door_restarts_keep_requests_and_adapters(tmp_path):
         # a scheduler stopped between its sends of one step to the two ranks leaves one rank in that step's first
         # all-reduce for ever: the next scheduler finds it silent for --step-timeout and has the group replaced
         # (CI saw this once; the requests still finished with the reference tokens)
-        split = "is hung (ranks [" in h.log() and "silent); asking the launcher to replace it" in h.log()
-        want = {"scheduler_proc": 2, "tokenizer_proc": 2} | ({"gpu_worker": 1} if split else {})
-        assert restarts_metric(port) == want, h.log()[-4000:]
+        assert restarts_besides_a_split(h, port) == {"scheduler_proc": 2, "tokenizer_proc": 2}, h.log()[-4000:]
 
         # ... a request that cannot be retried (sampled, no seed) is told within seconds, never times out
         _find_children(h)
