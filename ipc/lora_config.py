@@ -3,9 +3,10 @@
 Fields that change the maths are either implemented (``r``, ``lora_alpha``, ``use_rslora``, ``rank_pattern``,
 ``alpha_pattern``, ``target_modules`` as a list, a regex or PEFT's ``"all-linear"``) or refused with an error
 naming the field (``use_dora``, ``bias`` other than "none", ``modules_to_save``, ``fan_in_fan_out``, targets on
-the vocabulary layers, ...). Training-only fields (dropout, init) and bookkeeping fields are ignored. Scaling is
-``lora_alpha / r`` (Hu et al., LoRA, 2021) or ``lora_alpha / sqrt(r)`` with rsLoRA (Kalajdzievski, arXiv
-2312.03732).
+the vocabulary layers, ...). Training-only fields (dropout, most ``init_lora_weights``) and bookkeeping fields are
+ignored; an init that rewrites the base weights (PiSSA, CorDA, OLoRA, LoftQ, LoRA-GA) is refused, since such an
+adapter is only right on that rewritten base. Scaling is ``lora_alpha / r`` (Hu et al., LoRA, 2021) or
+``lora_alpha / sqrt(r)`` with rsLoRA (Kalajdzievski, arXiv 2312.03732).
 """
 
 from __future__ import annotations
@@ -145,6 +146,11 @@ def _sample_paths(module: str) -> list[str]:
     return [module] + [f"model.layers.{i}.{block}.{module}" for i in range(128)]
 
 
+# init_lora_weights values whose peft initialisation rewrites the base layer's weight (peft/tuners/lora/layer.py:
+# PiSSA, CorDA, OLoRA, LoftQ, LoRA-GA): such an adapter is only right on that changed base
+BASE_CHANGING_INITS = ("pissa", "corda", "olora", "loftq", "lora_ga")
+
+
 def _refuse(name: str, field: str, value: object, why: str) -> LoraConfigError:
     return LoraConfigError(f"LoRA adapter {name}: {CONFIG_FILE} field {field}={value!r} is not supported: {why}")
 
@@ -260,6 +266,14 @@ def read_adapter_config(
     ):
         if raw.get(field):
             raise _refuse(name, field, raw[field], "changes the model in a way Loom does not implement")
+    init = raw.get("init_lora_weights")
+    if isinstance(init, str) and init.lower().startswith(BASE_CHANGING_INITS):
+        raise _refuse(
+            name, "init_lora_weights", init,
+            "peft applies this adapter to base weights it changes on load (W minus the initial adapter), and Loom "
+            "serves the unchanged base; convert it to a plain LoRA adapter first (peft's save_pretrained with "
+            "path_initial_model_for_weight_conversion)",
+        )  # fmt: skip
     r = raw.get("r")
     if isinstance(r, bool) or not isinstance(r, int) or r <= 0:
         raise LoraConfigError(f"LoRA adapter {name}: {CONFIG_FILE} field r={r!r} must be a positive integer")

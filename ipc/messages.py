@@ -360,6 +360,9 @@ class SchedulerBeat(msgspec.Struct, tag=True):
     kv_capacity_tokens: int = 0
     running_lora_uids: list[str] = []  # adapters of running requests (sorted, no duplicates)
     waiting_lora_uids: list[str] = []  # adapters of waiting requests
+    # distinct adapters at --max-lora-rank one batch can mix (0 = not known yet): --max-loras-per-batch where the
+    # workers copy adapters into slots, up to --max-running-requests where they read them in place
+    max_batch_loras: int = 0
     slot_uids: list[str] = []  # adapters in a slot on rank 0 after the last step
     slot_evictions: int = 0  # adapters evicted from a slot by another since this scheduler started
     # prefix cache (Scheduler.cache_stats), in tokens: hit rate = cached_tokens_total / prompt_tokens_total

@@ -158,6 +158,7 @@ def batch_stats(sched: Any) -> dict[str, Any]:
         "kv_capacity_tokens": capacity,
         "running_lora_uids": sorted({r.lora_uid for r in running if r.lora_uid is not None}),
         "waiting_lora_uids": sorted({r.lora_uid for r in waiting if r.lora_uid is not None}),
+        "max_batch_loras": min(sched.max_running, sched.lora_rows_total // sched.slot_size),
     }
 
 

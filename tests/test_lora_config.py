@@ -78,6 +78,11 @@ def test_regex_target_modules_and_ignored_fields(tmp_path):
         ("r", True, "field r=True must be a positive integer"),
         ("use_rslora", "false", "field use_rslora='false' must be true or false"),
         ("use_rslora", 1, "field use_rslora=1 must be true or false"),
+        ("init_lora_weights", "pissa", "field init_lora_weights='pissa' is not supported: peft applies"),
+        ("init_lora_weights", "pissa_niter_4", "path_initial_model_for_weight_conversion"),
+        ("init_lora_weights", "OLoRA", "field init_lora_weights='OLoRA' is not supported"),
+        ("init_lora_weights", "loftq", "field init_lora_weights='loftq' is not supported"),
+        ("init_lora_weights", "corda", "field init_lora_weights='corda' is not supported"),
     ],
 )
 def test_fields_that_change_the_maths_are_refused(tmp_path, field, value, text):

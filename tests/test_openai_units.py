@@ -648,3 +648,36 @@ def test_a_client_that_leaves_mid_body_is_not_a_server_error(caplog) -> None:
     assert resp.status_code == 499
     assert "the client disconnected before its body arrived" in caplog.text and "Traceback" not in caplog.text
     assert not [r for r in caplog.records if r.levelname in ("ERROR", "CRITICAL")]
+
+
+def test_max_lora_says_how_many_adapters_one_batch_can_mix(tmp_path) -> None:
+    """vllm:lora_requests_info's max_lora: --max-loras-per-batch where the workers copy adapters into slots, the
+    running batch's size where they read them in place (the pools' READY rows say which), the flag before any
+    heartbeat."""
+    from types import SimpleNamespace
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from ipc.lora_config import lora_rows
+    from scheduler_proc.health import batch_stats
+    from scheduler_proc.scheduler import Scheduler
+    from tokenizer_proc.metrics import Metrics
+    from tokenizer_proc.registry import LoraRegistry
+
+    args = make_args(".", enable_lora=True, max_loras_per_batch=2)
+    d = SimpleNamespace(pending={}, health=ClusterHealth(), args=args, registry=LoraRegistry())
+    m = Metrics()
+    m.watch(d)
+
+    def max_lora() -> str:
+        fams = text_string_to_metric_families(m.exposition().decode())
+        (label,) = [s.labels["max_lora"] for f in fams for s in f.samples if s.name == "vllm:lora_requests_info"]
+        return label
+
+    assert max_lora() == "2"  # no heartbeat yet
+    common = {"max_running": 16, "kv_capacity": 1000, "context_len": 512, "eos_ids": [2], "max_loras_per_batch": 2}
+    copied = Scheduler(**common, max_lora_rank=64)
+    in_place = Scheduler(**common, max_lora_rank=64, lora_pool_rows=(2 + 16 - 1) * lora_rows(64))
+    for sched, want in ((copied, "2"), (in_place, "16")):
+        d.health.on_beat(SchedulerBeat("s1", 1, **batch_stats(sched)))
+        assert max_lora() == want

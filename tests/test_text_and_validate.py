@@ -158,12 +158,16 @@ def test_check_one_prompt_accepts_every_chat_role():
 
 
 def test_check_prompt_chars():
-    check_prompt_chars("text", 90, max_new_tokens=1, context_len=10, max_token_chars=10)
+    check_prompt_chars("the text", 90, max_new_tokens=1, context_len=10, max_token_chars=10)
     with pytest.raises(BadRequest, match=r"text is 91 characters, longer than the 90 characters"):
-        check_prompt_chars("text", 91, max_new_tokens=1, context_len=10, max_token_chars=10)
+        check_prompt_chars("the text", 91, max_new_tokens=1, context_len=10, max_token_chars=10)
     # max_new_tokens that takes the whole context: the message says that, not "longer than the 0 characters"
+    # (no doubled article: the caller's name of the prompt carries its own, "the rendered chat" included)
     with pytest.raises(BadRequest, match=r"max_tokens \(10\) leaves no room for the text in the context length 10: "):
-        check_prompt_chars("text", 2, max_new_tokens=10, context_len=10, max_token_chars=10, limit_name="max_tokens")
+        kw = {"max_new_tokens": 10, "context_len": 10, "max_token_chars": 10, "limit_name": "max_tokens"}
+        check_prompt_chars("the text", 2, **kw)
+    with pytest.raises(BadRequest, match=r"leaves no room for the messages' content in the context length 10"):
+        check_prompt_chars("the messages' content", 2, max_new_tokens=10, context_len=10, max_token_chars=10)
 
 
 def test_longest_token_chars_bounds_every_token(text_codec):

@@ -203,7 +203,7 @@ class FrontDoor:
             self._check_chars("the messages' content", n_chars, req, "messages", limit_name)
             return await self._off_loop(lambda r: self._chat_ids(r, limit_name), req, n_chars)
         text = req.text or ""
-        self._check_chars("text", len(text), req, "text", limit_name)
+        self._check_chars("the text", len(text), req, "text", limit_name)
         # TextCodec encodes through the tokenizers library's batch call, which releases the GIL
         return await self._off_loop(lambda r: self.codec.encode(r.text or ""), req, len(text))
 

@@ -67,7 +67,11 @@ class Accounting:
         try:
             await self.app(scope, recv, snd)
         finally:
-            path = scope["path"] if scope["path"] in self.paths else "unknown"
+            # the route that matched (Starlette's router records it in the scope), so /v1/models/{model:path} is
+            # one label whatever the model; a path no route matched is "unknown"
+            path = getattr(scope.get("route"), "path", None)
+            if path not in self.paths:
+                path = scope["path"] if scope["path"] in self.paths else "unknown"
             status = int(state["status"])
             if not state["complete"]:
                 status, outcome = 499, "client_disconnected"

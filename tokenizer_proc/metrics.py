@@ -285,5 +285,8 @@ class DoorCollector:
         )
         running = joined(beat.running_lora_uids) if beat else ""
         waiting = joined(beat.waiting_lora_uids) if beat else ""
-        fam.add_metric([running, waiting, str(self.door.args.max_loras_per_batch)], health.beat_wall_time)
+        # what one batch can mix, as the scheduler sizes it from the workers' pools (adapters read in place need no
+        # device slot, so there it is the running batch's size); --max-loras-per-batch until the first beat
+        cap = beat.max_batch_loras if beat and beat.max_batch_loras else self.door.args.max_loras_per_batch
+        fam.add_metric([running, waiting, str(cap)], health.beat_wall_time)
         return fam

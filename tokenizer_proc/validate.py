@@ -123,7 +123,7 @@ def check_prompt_chars(
     limit = budget * max_token_chars
     if n_chars > limit and budget == 0:
         raise PromptTooLong(
-            f"{limit_name} ({max_new_tokens}) leaves no room for the {what} in the context length {context_len}: "
+            f"{limit_name} ({max_new_tokens}) leaves no room for {what} in the context length {context_len}: "
             f"lower {limit_name} below {context_len}",
             field,
         )
