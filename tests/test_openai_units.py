@@ -105,6 +105,9 @@ def test_model_names() -> None:
     assert oa.resolve_model("base:a", "base", {"a"}, True) == "a"
     assert oa.resolve_model("base:a", "base", {"base:a"}, True) == "base:a"  # an adapter's own name wins
     assert oa.resolve_model("other", "base", set(), True) == "other"  # the front door answers never loaded
+    with pytest.raises(HttpError) as e:  # another base's adapter: no adapter name holds a ':'
+        oa.resolve_model("OtherBase:a", "base", {"a"}, True)
+    assert e.value.status == 404 and "`OtherBase` is not this server's model `base`" in str(e.value)
     with pytest.raises(HttpError) as e:
         oa.resolve_model("a", "base", {"a"}, False)
     assert e.value.status == 404 and oa.error_detail(404, "x", e.value.param).error.code == "model_not_found"

@@ -239,7 +239,8 @@ def completion_prompts(req: CompletionRequest) -> list[str | list[int]]:
 def resolve_model(model: str, base_id: str, adapters: Collection[str], lora_enabled: bool) -> str | None:
     """The adapter ``model`` names (None: the base model): the base model's id, an adapter's name, or
     ``BASE:ADAPTER``. Any other name is taken as an adapter name, so the front door answers 404 with its
-    ``never been loaded`` text; without LoRA it is a 404 ``model_not_found``. An empty ``model`` or an empty
+    ``never been loaded`` text; ``OTHER:ADAPTER`` for another base, and any name without LoRA, is a 404
+    ``model_not_found``. An empty ``model`` or an empty
     adapter after ``BASE:`` is a 400."""
     if model == base_id:
         return None
@@ -254,6 +255,10 @@ def resolve_model(model: str, base_id: str, adapters: Collection[str], lora_enab
         raise HttpError(404, f"The model `{model}` does not exist: this server serves `{base_id}`", param="model")
     if model not in adapters and model.startswith(prefix):
         return model[len(prefix) :]
+    if MODEL_ADAPTER_SEPARATOR in model and model not in adapters:  # no adapter name holds one (adapter_name_problem)
+        other = model.split(MODEL_ADAPTER_SEPARATOR, 1)[0]
+        why = f"The model `{model}` does not exist: `{other}` is not this server's model `{base_id}` (name an adapter "
+        raise HttpError(404, why + f"as `{prefix}ADAPTER` or by its own name)", param="model")
     return model
 
 
