@@ -7,8 +7,8 @@ For each linear of a layer (q|k|v, o, gate|up, down, at TP=1) and the LM head, a
 call, median over ``--repeats`` rounds that call both in turns (paired, since this machine's speed drifts), each
 round over as many distinct weights as the model has layers (so the weights come from memory, as in a decode
 step; the LM head has one). Prints GFLOP/s and the ratio kernel / oneDNN (below 1: the kernel is faster), and the
-largest difference of their outputs. The workers multiply bf16 weights with oneDNN; this kernel is not used by
-them yet (see the module doc of gpu_worker/bf16_gemm.py).
+largest difference of their outputs. A bf16 worker takes the kernel where its own start-up timing finds it faster
+(see the module doc of gpu_worker/bf16_gemm.py).
 """
 
 from __future__ import annotations

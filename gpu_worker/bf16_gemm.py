@@ -1,9 +1,10 @@
-"""Loom's own bf16 GEMM for CPUs with AVX512-BF16 (``csrc/bf16_gemm.c``): measured, not yet used by the workers.
+"""Loom's own bf16 GEMM for CPUs with AVX512-BF16 (``csrc/bf16_gemm.c``) and the start-up choice to use it.
 
-``bench/bf16_gemm.py`` times it against oneDNN's packed GEMM (:class:`gpu_worker.packed_linear.PackedLinear`, what a
-bf16 worker multiplies with today) at the model's decode shapes. It exists as the base of a GEMM that would read
-a mixed batch's adapter weights while it computes (issue 10); until that is built and measured in whole steps, the
-workers keep oneDNN.
+A worker serving dense bf16 weights on CPU holds its linears (and the LM head, as a copy where it is tied) as
+:class:`Bf16GemmLinear` where :func:`gemm_pays` finds the kernel faster than oneDNN's packed product
+(:class:`gpu_worker.packed_linear.PackedLinear`) and the plain one at 1 and 32 rows (``Worker._use_bf16_gemm``,
+voted by the TP ranks and cached like every start-up timing). ``bench/bf16_gemm.py`` compares the two per shape.
+It is also the base for a GEMM that would read a mixed batch's adapter weights while it computes (issue 10).
 """
 
 from __future__ import annotations
@@ -57,3 +58,75 @@ def bf16_gemm(fn: ctypes._CFuncPtr, x: torch.Tensor, wp: torch.Tensor, n_out: in
     if rc:
         raise ValueError(f"bf16 GEMM refused M={m}, K={k}, n_out={n_out} (code {rc})")
     return out
+
+
+class Bf16GemmLinear:
+    """``x @ W.T`` on Loom's kernel for a dense ``[N, K]`` bf16 weight held in its panels (:func:`pack_weight`).
+
+    The same interface as :class:`gpu_worker.packed_linear.PackedLinear` (``mm``, ``out_features``,
+    ``in_features``, ``dtype``, ``nbytes``), so the model multiplies with either. Activations must be bf16.
+    """
+
+    def __init__(self, w: torch.Tensor, fn: ctypes._CFuncPtr) -> None:  # type: ignore[name-defined]
+        """Pack ``w`` ``[N, K]`` (bf16, CPU, K even; raises ValueError otherwise) for the kernel ``fn``."""
+        self.out_features, self.in_features = w.shape
+        self.dtype = w.dtype
+        self.wp = pack_weight(w)
+        self.fn = fn
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of weight values held (the panels' zero columns past N not counted)."""
+        return self.out_features * self.in_features * 2
+
+    def mm(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` ``[M, K]`` bf16 -> ``[M, N]`` bf16 (fp32 sums, rounded once)."""
+        if x.stride(1) != 1:
+            x = x.contiguous()
+        return bf16_gemm(self.fn, x, self.wp, self.out_features)
+
+
+def gemm_pays(w: torch.Tensor, fn: ctypes._CFuncPtr, rows: tuple[int, ...] = (1, 32)) -> tuple[bool, str]:  # type: ignore[name-defined]
+    """Whether the kernel beats oneDNN's packed product and the plain one for weight ``w`` ``[N, K]`` here.
+
+    Times each at every row count of ``rows`` (fastest of 7 calls) and asks the kernel to be the fastest at each.
+    Returns ``(pays, how)``, ``how`` naming the timings for the log. Never raises: a kernel built without
+    AVX512-BF16, or a weight it cannot take, means "no".
+    """
+    from gpu_worker.packed_linear import PackedLinear, _supported
+    from gpu_worker.timing import best_time
+
+    try:
+        mine = Bf16GemmLinear(w, fn)
+        dnnl = PackedLinear(w) if _supported(w.dtype, w.device) else None
+        parts, pays = [], True
+        for m in rows:
+            x = torch.randn(m, w.shape[1], dtype=w.dtype)
+            t_mine = best_time(lambda x=x: mine.mm(x), 7)
+            others = {"plain": best_time(lambda x=x: x @ w.T, 7)}
+            if dnnl is not None:
+                others["oneDNN packed"] = best_time(lambda x=x: dnnl.mm(x), 7)
+            pays = pays and t_mine < min(others.values())
+            rest = ", ".join(f"{k} {v * 1e6:.0f} us" for k, v in others.items())
+            parts.append(f"{m} rows: Loom {t_mine * 1e6:.0f} us, {rest}")
+    except (RuntimeError, ValueError) as e:
+        return False, f"not used ({e})"
+    return pays, ("used" if pays else "not used") + " (" + "; ".join(parts) + ")"
+
+
+def use_gemm(weights: dict, fn: ctypes._CFuncPtr, names: tuple[str, ...] = ("qkv", "o", "gate_up", "down")) -> int:  # type: ignore[name-defined]
+    """Replace every layer's dense bf16 ``names`` weights and a dense bf16 ``weights["lm_head"]`` with
+    :class:`Bf16GemmLinear`, in place (a tied head is packed as a copy: the embedding lookup keeps the table).
+    Returns how many were replaced."""
+    n = 0
+    head = weights.get("lm_head")
+    if isinstance(head, torch.Tensor) and head.dtype == torch.bfloat16 and head.shape[1] % 2 == 0:
+        weights["lm_head"] = Bf16GemmLinear(head, fn)
+        n += 1
+    for lw in weights["layers"]:
+        for k in names:
+            w = lw.get(k)
+            if isinstance(w, torch.Tensor) and w.dtype == torch.bfloat16 and w.shape[1] % 2 == 0:
+                lw[k] = Bf16GemmLinear(w, fn)
+                n += 1
+    return n

@@ -162,15 +162,18 @@ class Worker:
         self._gen.manual_seed(args.random_seed)
 
     def _pack_linears(self, weights: dict, group: object | None) -> bool:
-        """Hold the dense half-precision linears in oneDNN's blocked layout where a start-up measurement on this
-        rank's own gate/up weight finds it faster (``gpu_worker.packed_linear``), agreed by the TP ranks and kept
-        like every start-up choice (:func:`gpu_worker.timing.agreed_choice`: a replacement group packs as the group
-        it replaces did, so a failover does not change the rounding); logs the timings."""
+        """Hold the dense half-precision linears in Loom's bf16 GEMM panels (:meth:`_use_bf16_gemm`), else in
+        oneDNN's blocked layout (``gpu_worker.packed_linear``), where a start-up measurement on this rank's own
+        gate/up weight finds it faster, agreed by the TP ranks and kept like every start-up choice
+        (:func:`gpu_worker.timing.agreed_choice`: a replacement group packs as the group it replaces did, so a
+        failover does not change the rounding); logs the timings."""
         sample = weights["layers"][0].get("gate_up") if weights["layers"] else None
         if not isinstance(sample, torch.Tensor):
             return False  # quantised weights run their own kernels
         from gpu_worker.timing import agreed_choice
 
+        if self._use_bf16_gemm(weights, sample, group):
+            return True
         name, key = "packed-linears", f"{torch.__version__}|{sample.dtype}|{tuple(sample.shape)}"
         vote, how, own = agreed_choice(cache_root() / "kernel-choice", name, key, lambda: packing_pays(sample), group)
         pays = bool(vote)
@@ -180,6 +183,31 @@ class Worker:
             pack_linears(weights)
         log.info("rank %d: packed bf16/fp16 linear weights %s", self.rank, how)
         return pays
+
+    def _use_bf16_gemm(self, weights: dict, sample: torch.Tensor, group: object | None) -> bool:
+        """Hold the dense bf16 linears in Loom's GEMM panels (``gpu_worker.bf16_gemm``) where the kernel builds and
+        a start-up measurement on this rank's gate/up weight finds it faster than oneDNN's packed and the plain
+        product, agreed by the TP ranks and kept like every start-up choice; logs the timings."""
+        if self.device.type != "cpu" or sample.dtype != torch.bfloat16:
+            return False
+        import hashlib
+
+        from gpu_worker.bf16_gemm import SOURCE, gemm_pays, load_gemm, use_gemm
+        from gpu_worker.timing import agreed_choice
+
+        fn = load_gemm(cache_root() / "kernels")
+        key = f"{torch.__version__}|{tuple(sample.shape)}|{hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:16]}"
+        measure = None if fn is None else (lambda: gemm_pays(sample, fn))
+        vote, how, own = agreed_choice(cache_root() / "kernel-choice", "bf16-gemm", key, measure, group)
+        if fn is None:
+            how = "not used (the kernel does not build here)"
+        elif own and not vote:
+            how += "; not used: another TP rank cannot use it or measured it slower"
+        log.info("rank %d: Loom's bf16 GEMM %s", self.rank, how)
+        if not vote or fn is None:
+            return False
+        use_gemm(weights, fn)
+        return True
 
     def _choose_decode_attention(self, group: object | None) -> None:
         """On CPU, decode attention on the C kernel (``gpu_worker.decode_attention``) where it is faster than SDPA

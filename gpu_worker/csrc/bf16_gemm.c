@@ -1,8 +1,8 @@
 /* out[M, n_out] = x[M, K] @ W^T for bf16 x and W with fp32 accumulation and bf16 out, on CPUs with AVX512-BF16.
  *
- * Not wired into serving yet: bench/bf16_gemm.py times it against oneDNN's packed GEMM (what the workers use for
- * bf16 today) at the model's decode shapes. It is the base a GEMM with the LoRA's adapter reads fused into it would
- * grow from (issue 10: a mixed batch's adapter reads add to an arithmetic-bound step instead of overlapping it).
+ * A bf16 worker uses it where a start-up timing finds it faster than oneDNN's packed GEMM (gpu_worker/bf16_gemm.py;
+ * bench/bf16_gemm.py compares the two per shape). It is also the base a GEMM with the LoRA's adapter reads fused
+ * into it would grow from (issue 10: a mixed batch's adapter reads add to an arithmetic-bound step).
  *
  * W is packed once into panels of NR = 48 output columns in the "VNNI" pair layout vdpbf16ps reads:
  *     wp[N_pad / 48][K / 2][48][2]   (element [p][q][c][h] = W[48 p + c][2 q + h]; zero columns past n_out)
