@@ -114,19 +114,14 @@ def gemm_pays(w: torch.Tensor, fn: ctypes._CFuncPtr, rows: tuple[int, ...] = (1,
     return pays, ("used" if pays else "not used") + " (" + "; ".join(parts) + ")"
 
 
-def use_gemm(weights: dict, fn: ctypes._CFuncPtr, names: tuple[str, ...] = ("qkv", "o", "gate_up", "down")) -> int:  # type: ignore[name-defined]
-    """Replace every layer's dense bf16 ``names`` weights and a dense bf16 ``weights["lm_head"]`` with
-    :class:`Bf16GemmLinear`, in place (a tied head is packed as a copy: the embedding lookup keeps the table).
-    Returns how many were replaced."""
-    n = 0
-    head = weights.get("lm_head")
-    if isinstance(head, torch.Tensor) and head.dtype == torch.bfloat16 and head.shape[1] % 2 == 0:
-        weights["lm_head"] = Bf16GemmLinear(head, fn)
-        n += 1
-    for lw in weights["layers"]:
-        for k in names:
-            w = lw.get(k)
-            if isinstance(w, torch.Tensor) and w.dtype == torch.bfloat16 and w.shape[1] % 2 == 0:
-                lw[k] = Bf16GemmLinear(w, fn)
-                n += 1
-    return n
+def use_gemm(weights: dict, fn: ctypes._CFuncPtr) -> int:  # type: ignore[name-defined]
+    """Replace every layer's dense bf16 linears (even K) and a dense bf16 ``weights["lm_head"]`` with
+    :class:`Bf16GemmLinear`, in place, as :func:`gpu_worker.packed_linear.pack_linears` does for oneDNN (a tied head
+    is packed as a copy: the embedding lookup keeps the table). Returns how many were replaced."""
+    from gpu_worker.packed_linear import pack_linears
+
+    return pack_linears(
+        weights,
+        make=lambda w: Bf16GemmLinear(w, fn),
+        fits=lambda w: w.dtype == torch.bfloat16 and w.shape[1] % 2 == 0,
+    )

@@ -13,6 +13,8 @@ oneDNN bf16/fp16 support, CUDA and fp32 keep plain tensors.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from gpu_worker.timing import best_time
@@ -79,9 +81,14 @@ def packing_pays(w: torch.Tensor, rows: tuple[int, ...] = (1, 32)) -> tuple[bool
     return pays, ("used" if pays else "not used") + " (" + "; ".join(parts) + ")"
 
 
-def pack_linears(weights: dict, names: tuple[str, ...] = ("qkv", "o", "gate_up", "down")) -> int:
-    """Replace every layer's dense ``names`` weights in ``weights["layers"]`` and a dense ``weights["lm_head"]``
-    with :class:`PackedLinear`, in place.
+def pack_linears(
+    weights: dict,
+    names: tuple[str, ...] = ("qkv", "o", "gate_up", "down"),
+    make: Callable[[torch.Tensor], object] = PackedLinear,
+    fits: Callable[[torch.Tensor], bool] = lambda w: True,
+) -> int:
+    """Replace every layer's dense ``names`` weights and a dense ``weights["lm_head"]`` that ``fits`` takes with
+    ``make(w)`` (by default :class:`PackedLinear`; ``gpu_worker.bf16_gemm.use_gemm`` passes its own), in place.
 
     Quantised linears and anything not a dense tensor are left as they are. Returns how many were packed. A tied
     LM head (the embedding table, or a TP rank's rows of it) is packed as a copy, since the embedding lookup
@@ -90,13 +97,13 @@ def pack_linears(weights: dict, names: tuple[str, ...] = ("qkv", "o", "gate_up",
     """
     n = 0
     head = weights.get("lm_head")
-    if isinstance(head, torch.Tensor):
-        weights["lm_head"] = PackedLinear(head)
+    if isinstance(head, torch.Tensor) and fits(head):
+        weights["lm_head"] = make(head)
         n += 1
     for lw in weights["layers"]:
         for k in names:
             w = lw.get(k)
-            if isinstance(w, torch.Tensor):
-                lw[k] = PackedLinear(w)
+            if isinstance(w, torch.Tensor) and fits(w):
+                lw[k] = make(w)
                 n += 1
     return n
