@@ -4,7 +4,7 @@ A worker serving dense bf16 weights on CPU holds its linears (and the LM head, a
 :class:`Bf16GemmLinear` where :func:`gemm_pays` finds the kernel faster than oneDNN's packed product
 (:class:`gpu_worker.packed_linear.PackedLinear`) and the plain one at 1 and 32 rows (``Worker._use_bf16_gemm``,
 voted by the TP ranks and cached like every start-up timing). ``bench/bf16_gemm.py`` compares the two per shape.
-It is also the base for a GEMM that would read a mixed batch's adapter weights while it computes (issue 10).
+A version with a mixed batch's LoRA expand fused into it measured no faster (``docs/performance.md``).
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 /* out[M, n_out] = x[M, K] @ W^T for bf16 x and W with fp32 accumulation and bf16 out, on CPUs with AVX512-BF16.
  *
  * A bf16 worker uses it where a start-up timing finds it faster than oneDNN's packed GEMM (gpu_worker/bf16_gemm.py;
- * bench/bf16_gemm.py compares the two per shape). It is also the base a GEMM with the LoRA's adapter reads fused
- * into it would grow from (issue 10: a mixed batch's adapter reads add to an arithmetic-bound step).
+ * bench/bf16_gemm.py compares the two per shape). A version with a mixed batch's LoRA expand fused in measured no
+ * faster than the LoRA kernel after it (branch experiment/fused-lora-gemm; docs/performance.md).
  *
  * W is packed once into panels of NR = 48 output columns in the "VNNI" pair layout vdpbf16ps reads:
  *     wp[N_pad / 48][K / 2][48][2]   (element [p][q][c][h] = W[48 p + c][2 q + h]; zero columns past n_out)
