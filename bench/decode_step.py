@@ -46,6 +46,13 @@ def main() -> None:
         "(the same requests as base-model requests); prints each one's median and the ratios to base",
     )
     p.add_argument(
+        "--lora-gemm-ab",
+        action="store_true",
+        help="with --lora N, bf16 on Loom's bf16 GEMM: blocks of 5 steps in turns with each projection's GEMM and "
+        "LoRA in one kernel call (fused, the default where it applies), the two calls one after the other (unfused), "
+        "and no adapters; prints each one's median and the ratios to base",
+    )
+    p.add_argument(
         "--mirror",
         default="on",
         choices=["on", "off", "ab"],
@@ -71,10 +78,12 @@ def main() -> None:
         "with PyTorch's ops (gpu_worker/layer_ops.py)",
     )
     a = p.parse_args()
-    if a.lora_ab and a.lora < 1:
-        p.error("--lora-ab needs --lora N (N >= 1 adapters to compare against the base model)")
+    if (a.lora_ab or a.lora_gemm_ab) and a.lora < 1:
+        p.error("--lora-ab and --lora-gemm-ab need --lora N (N >= 1 adapters to compare against the base model)")
+    if a.lora_ab and a.lora_gemm_ab:
+        p.error("--lora-ab and --lora-gemm-ab: choose one")
     # each A/B flag runs blocks of 5 steps per arm in turns, the first step of a block not counted
-    arms = max([3 * a.lora_ab, 2 * (a.mirror == "ab" or a.int4_ab or a.attn_ab or a.ops_ab)])
+    arms = max([3 * (a.lora_ab or a.lora_gemm_ab), 2 * (a.mirror == "ab" or a.int4_ab or a.attn_ab or a.ops_ab)])
     if arms and a.steps < 5 * arms:
         p.error(f"--steps {a.steps} is too few for the A/B runs asked: blocks of 5 steps for each of {arms} arms "
                 f"need --steps >= {5 * arms}")  # fmt: skip
@@ -122,14 +131,25 @@ def main() -> None:
             assert ack.ok, ack.error
             uids.append(f"u{i:04d}")
     pools = {}
-    if a.lora_ab:
+    modes = ["cpu-sgmv", "torch", "base"]
+    if a.lora_gemm_ab:
+        modes = ["fused", "unfused", "base"]
+    if a.lora_ab or a.lora_gemm_ab:
         from gpu_worker.lora_pool import LoraPool
 
-        for backend in ("cpu-sgmv", "torch"):
+        for mode in modes[:2]:
+            backend = "torch" if mode == "torch" else "cpu-sgmv"
             pool = LoraPool(msgspec.structs.replace(args, lora_backend=backend), w.cfg, w.plan, w.dtype, w.device)
             for i, (name, path) in enumerate(sorted(ads.items())):
                 pool.load(f"u{i:04d}", name, str(path))
-            pools[backend] = pool
+            if mode == "unfused":
+                pool.sgmv_gemm = None
+            elif mode == "fused" and pool.sgmv_gemm is None:
+                print("--lora-gemm-ab: no fused kernel here (not bf16, no C kernel, or LOOM_LORA_GEMM=0)")
+            pools[mode] = pool
+    if a.lora_gemm_ab:
+        kind = type(w.model.w["layers"][0]["qkv"]).__name__
+        print(f"--lora-gemm-ab: fused kernel {pools['fused'].sgmv_gemm is not None}, base linears {kind}")
     greedy = WorkerSampling(0.0, 1.0, -1, None)
     lora_of = [uids[i % len(uids)] for i in range(a.batch)]
     active = [lora_of]  # --lora-ab's base blocks send the same requests without adapters
@@ -170,10 +190,10 @@ def main() -> None:
         w.decode_mirror = None
     step(0)
     by_mode: dict[str, list[float]] = {"on": [], "off": []}
-    modes = ["cpu-sgmv", "torch", "base"]
+    lora_ab = a.lora_ab or a.lora_gemm_ab
     by_lora: dict[str, list[float]] = {m: [] for m in modes}
     for k in range(1, a.steps + 1):
-        if a.lora_ab:  # the first step of a block is not counted (it fills slots and the decode mirror)
+        if lora_ab:  # the first step of a block is not counted (it fills slots and the decode mirror)
             mode = modes[(k - 1) // 5 % 3]
             active[0] = [None] * a.batch if mode == "base" else lora_of
             if mode != "base":
@@ -202,10 +222,10 @@ def main() -> None:
             by_attn[attn].append(times[-1])
         if a.mirror == "ab" and (k - 1) % 5:
             by_mode["on" if on else "off"].append(times[-1])
-        if a.lora_ab and (k - 1) % 5:
+        if lora_ab and (k - 1) % 5:
             by_lora[mode].append(times[-1])
     med = statistics.median(times)
-    if a.lora_ab:
+    if lora_ab:
         ms = {m: statistics.median(v) * 1e3 for m, v in by_lora.items() if v}
         print(
             " ".join(f"{m} {t:.1f} ms" for m, t in ms.items())

@@ -64,23 +64,61 @@ def _patch(mod):
                 acc[st["mode"]][name] = acc[st["mode"]].get(name, 0.0) + perf() - t
         return wrapper
 
-    mm_names = ("mm_qkv", "mm_o", "mm_gate_up", "mm_down")
+    mm_lora = gm.LlamaShard._mm_lora
 
-    def mm_key(a):  # a bound decode step's layers call _mm in this order; the LM head's comes last
-        i = st["mm"]
-        st["mm"] += 1
-        return mm_names[i % 4] if i < 4 * len(a[0].w["layers"]) else "mm_other"
+    def in_module(self, x, w, lora, layer, module):  # names the layer GEMMs _mm makes inside it
+        st["cur"] = module
+        try:
+            return mm_lora(self, x, w, lora, layer, module)
+        finally:
+            st["cur"] = None
 
-    gm.LlamaShard._mm = timed(mm_key, gm.LlamaShard._mm)
+    gm.LlamaShard._mm_lora = in_module
+    gm.LlamaShard._mm = timed(lambda a: "mm_" + (st.get("cur") or "other"), gm.LlamaShard._mm)
     gm.LlamaShard._logits = timed(lambda a: "logits", gm.LlamaShard._logits)
     gm.LlamaShard._bind_decode = timed(lambda a: "bind", gm.LlamaShard._bind_decode)
     for n in ("add_rms_norm", "rope_attend", "silu_mul"):
         setattr(bd.BoundDecode, n, timed(lambda a, n=n: n, getattr(bd.BoundDecode, n)))
     add = (lambda self, layer, fused, x, out: None) if _os.environ.get("LOOM_PHASES_SKIP_LORA") else lp.LoraBatch.add
     lp.LoraBatch.add = timed(lambda a: "lora_" + a[2], add)
+    # the GEMM and the LoRA in one kernel call (lora_kernel.SgmvStep.mm_add), counted where it ran (not None);
+    # skipped: None, so _mm and add run
+    mm_add = lp.LoraBatch.mm_add
+
+    def timed_mm_add(self, layer, fused, x, w):
+        if _os.environ.get("LOOM_PHASES_SKIP_LORA"):
+            return None
+        t = perf()
+        out = mm_add(self, layer, fused, x, w)
+        if st["mode"] is not None and out is not None:
+            name = "mm+lora_" + fused
+            acc[st["mode"]][name] = acc[st["mode"]].get(name, 0.0) + perf() - t
+        return out
+
+    lp.LoraBatch.mm_add = timed_mm_add
     lp.LoraPool.prepare = timed(lambda a: "lora_prepare", lp.LoraPool.prepare)
     mod.Worker.build_inputs = timed(lambda a: "build_inputs", mod.Worker.build_inputs)
     step = mod.Worker.step
+
+    kinds = {"base": {}, "mixed": {}}  # every step, by kind: [count, seconds]
+
+    def timed_any(self, fb):
+        t = perf()
+        try:
+            return timed_step(self, fb)
+        finally:
+            mode = "mixed" if any(r.lora_uid for r in fb.reqs) else "base"
+            dec = all(len(r.input_ids) == 1 and r.prefix_len for r in fb.reqs)
+            kind = "prefill or mixed"
+            if dec:
+                kind = ("decode >= %d rows" % min_rows) if len(fb.reqs) >= min_rows else "decode, fewer rows"
+            c = kinds[mode].setdefault(kind, [0, 0.0])
+            c[0] += 1
+            c[1] += perf() - t
+            path = _os.path.join(out_dir, "kinds-%d.json" % _os.getpid())
+            with open(path + ".tmp", "w") as f:
+                _json.dump(kinds, f)
+            _os.replace(path + ".tmp", path)
 
     def timed_step(self, fb):
         if len(fb.reqs) < min_rows or any(len(r.input_ids) != 1 or not r.prefix_len for r in fb.reqs):
@@ -101,7 +139,7 @@ def _patch(mod):
                 _json.dump(res, f)
             _os.replace(path + ".tmp", path)
 
-    mod.Worker.step = timed_step
+    mod.Worker.step = timed_any
 
 """
 HOOK = patch_on_import("gpu_worker.worker", _PATCH)
@@ -141,7 +179,15 @@ def phase_table(folder: Path) -> str:
             b, m = base.get(k, 0.0), mixed.get(k, 0.0)
             lines.append(f"  {k:<14} {b:8.2f} {m:8.2f} {m - b:+11.2f}")
         lora = sum(mixed.get(k, 0.0) for k in names if k.startswith("lora_") and k != "lora_prepare")
+        # a fused call's time, less the base step's GEMM of that projection
+        lora += sum(mixed[k] - base.get("mm_" + k[8:], 0.0) for k in names if k.startswith("mm+lora_") and k in mixed)
         if base and mixed:
             rest = mixed["step"] - base["step"] - lora
             lines.append(f"  the LoRA applies {lora:.2f} ms; the rest of mixed - base {rest:+.2f} ms")
+    for i, p in enumerate(sorted(folder.glob("kinds-*.json"))):
+        kinds = json.loads(p.read_text())
+        lines.append(f"rank file {i}, every step by kind (count, seconds in all; base / mixed):")
+        for k in sorted(set(kinds["base"]) | set(kinds["mixed"])):
+            (nb, sb), (nm, sm) = kinds["base"].get(k, (0, 0.0)), kinds["mixed"].get(k, (0, 0.0))
+            lines.append(f"  {k:<20} {nb:5d} {sb:7.3f} s / {nm:5d} {sm:7.3f} s   mixed-base {sm - sb:+.3f} s")
     return "\n".join(lines) if lines else f"no decode steps were timed (no phases-*.json in {folder})"

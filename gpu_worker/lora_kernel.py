@@ -9,6 +9,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import logging
+import os
 from functools import cache
 from pathlib import Path
 
@@ -78,6 +79,10 @@ _ARGTYPES = [ctypes.c_void_p]
 LOAD_NOTES: dict[Path, str] = {}
 
 
+# loom_lora_sgmv_gemm of the library load_sgmv(cache_dir) last loaded
+_GEMM_ENTRY: dict[Path, ctypes._CFuncPtr] = {}  # type: ignore[name-defined]
+
+
 @cache
 def load_sgmv(cache_dir: Path) -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
     """The ``loom_lora_sgmv`` C function (argtypes set), building it into ``cache_dir`` on first use.
@@ -86,8 +91,22 @@ def load_sgmv(cache_dir: Path) -> ctypes._CFuncPtr | None:  # type: ignore[name-
     then a single-threaded one. Returns None when there is no C compiler or neither builds and loads; the
     reason (or the single-threaded fallback's) is logged as a warning and kept in ``LOAD_NOTES[cache_dir]``.
     """
-    lib = load_kernel(SOURCE, cache_dir, "LoRA kernel", LOAD_NOTES, {"loom_lora_sgmv": _ARGTYPES}, logging.WARNING)
-    return None if lib is None else lib.loom_lora_sgmv
+    entries = {"loom_lora_sgmv": _ARGTYPES, "loom_lora_sgmv_gemm": _ARGTYPES}
+    lib = load_kernel(SOURCE, cache_dir, "LoRA kernel", LOAD_NOTES, entries, logging.WARNING)
+    if lib is None:
+        _GEMM_ENTRY.pop(cache_dir, None)
+        return None
+    _GEMM_ENTRY[cache_dir] = lib.loom_lora_sgmv_gemm
+    return lib.loom_lora_sgmv
+
+
+def load_sgmv_gemm(cache_dir: Path) -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+    """``loom_lora_sgmv_gemm``: a projection's bf16 base GEMM (Loom's, :mod:`gpu_worker.bf16_gemm`) and its LoRA in
+    one call, the GEMM's panels interleaved with the shrink (see :meth:`SgmvStep.mm_add`); None as
+    :func:`load_sgmv`, or where ``LOOM_LORA_GEMM`` is 0 (an A/B switch: the two calls one after the other)."""
+    if os.environ.get("LOOM_LORA_GEMM", "1").strip().lower() in ("0", "false", "off", "no"):
+        return None
+    return None if load_sgmv(cache_dir) is None else _GEMM_ENTRY.get(cache_dir)
 
 
 class SgmvLayerArgs:
@@ -174,11 +193,14 @@ class SgmvStep:
         tok: torch.Tensor,
         seg: torch.Tensor,
         u: torch.Tensor,
+        gemm_fn: ctypes._CFuncPtr | None = None,  # type: ignore[name-defined]
     ) -> None:
         self.fn = fn
+        self.gemm_fn = gemm_fn  # loom_lora_sgmv_gemm (load_sgmv_gemm), for mm_add; None: mm_add declines
         self._keep = (tok, seg, u)
         step = (tok.data_ptr(), seg.shape[0], seg.data_ptr(), u.data_ptr(), u.stride(0))
-        self.head = (ctypes.c_int64 * 11)(0, 0, 0, 0, 0, 0, *step)  # [:6] written by each call
+        # [:6] written by each call; [11:14] by mm_add's (the GEMM's rows, columns and packed weight)
+        self.head = (ctypes.c_int64 * 14)(0, 0, 0, 0, 0, 0, *step, 0, 0, 0)
         self.addr = ctypes.addressof(self.head)
 
     def add(self, la: SgmvLayerArgs, x: torch.Tensor, out: torch.Tensor) -> None:
@@ -201,6 +223,31 @@ class SgmvStep:
         self.head[:6] = (x.data_ptr(), xf, out.data_ptr(), out.stride(0), of, la.addr)
         if self.fn(self.addr):
             raise ValueError(f"cpu-sgmv: input width {la.in_dim} over the kernel's {MAX_IN_DIM}")
+
+    def mm_add(self, la: SgmvLayerArgs, x: torch.Tensor, w: object) -> torch.Tensor | None:
+        """``x @ W^T`` with every segment's LoRA delta added, in one kernel call: the same values as ``w.mm(x)``
+        followed by :meth:`add` (bit for bit), computed with the GEMM's panels between the shrink's items so that
+        the adapters' reads overlap the GEMM's arithmetic. ``x`` ``[T, in]`` bf16; returns ``[T, N]`` bf16.
+
+        Returns None, for the caller to multiply and :meth:`add` as usual, where it does not apply: no
+        ``gemm_fn``, ``w`` not a :class:`~gpu_worker.bf16_gemm.Bf16GemmLinear`, ``x`` not bf16 or of another width.
+        Raises ValueError for an input wider than the kernel's buffers.
+        """
+        from gpu_worker.bf16_gemm import Bf16GemmLinear
+
+        if self.gemm_fn is None or not isinstance(w, Bf16GemmLinear) or x.dtype != torch.bfloat16:
+            return None
+        if x.shape[1] != la.in_dim or w.in_features != la.in_dim:
+            return None
+        if not x.is_contiguous():
+            x = x.contiguous()
+        out = torch.empty(x.shape[0], w.out_features, dtype=torch.bfloat16)
+        self.head[:6] = (x.data_ptr(), 1, out.data_ptr(), out.stride(0), 1, la.addr)
+        self.head[11:14] = (x.shape[0], w.out_features, w.wp.data_ptr())
+        rc = self.gemm_fn(self.addr)
+        if rc == -1:
+            raise ValueError(f"cpu-sgmv: input width {la.in_dim} over the kernel's {MAX_IN_DIM}")
+        return out if rc == 0 else None
 
 
 def sgmv_add(

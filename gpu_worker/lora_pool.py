@@ -28,6 +28,7 @@ from gpu_worker.lora_kernel import (
     SgmvLayerArgs,
     SgmvStep,
     choose_backend,
+    load_sgmv_gemm,
     pack_b,
     packed_elems,
     unpack_b,
@@ -141,6 +142,8 @@ class LoraPool:
         self.sgmv, how = choose_backend(args.lora_backend, dtype, device, cache_root(), group, widest)
         log.info("LoRA backend on TP rank %d: %s", plan.rank, how)
         self.in_place = self.sgmv is not None  # the kernel reads the host tier where it is (see the class doc)
+        # the same kernel with a projection's base GEMM (Loom's bf16 GEMM) in the same call, for LoraBatch.mm_add
+        self.sgmv_gemm = load_sgmv_gemm(cache_root() / "kernels") if self.in_place and dtype == torch.bfloat16 else None
         # adapters at --max-lora-rank that fit: the memory budget, or (read in place, where slots cost nothing) one
         # per running request plus those pinned adapters may hold (all of --max-loras-per-batch's but one), so
         # no batch ever waits for a slot
@@ -666,7 +669,7 @@ class LoraBatch:
                 tok.extend(per_slot[s])
             # fp32 shrink results; the kernel's padded token blocks read the zero rows at the end
             u = torch.zeros(len(tok) + 8, pool.max_rank * max(map(len, FUSED.values())))
-            self._sgmv = SgmvStep(pool.sgmv, torch.tensor(tok), torch.tensor(seg), u)
+            self._sgmv = SgmvStep(pool.sgmv, torch.tensor(tok), torch.tensor(seg), u, pool.sgmv_gemm)
 
     def add(self, layer: int, fused: str, x: torch.Tensor, out: torch.Tensor) -> None:
         """``out[t0:t1, cols] += (x[t0:t1] @ A[s,:r]^T) @ B[s,:,:r]^T`` per segment and sub-module.
@@ -687,6 +690,15 @@ class LoraBatch:
             self._add_batched(layer, fused, cols, x, out)
         else:
             self._add_segments(layer, fused, cols, x, out)
+
+    def mm_add(self, layer: int, fused: str, x: torch.Tensor, w: object) -> torch.Tensor | None:
+        """``x @ w.T`` plus :meth:`add`'s delta, in one call of the C kernel with the base GEMM where ``w`` is
+        Loom's bf16 GEMM weight (:meth:`lora_kernel.SgmvStep.mm_add`: the same values, the adapters' reads under
+        the GEMM's arithmetic); None otherwise, for the caller to multiply and :meth:`add`."""
+        if self._sgmv is None or self._sgmv.gemm_fn is None:
+            return None
+        la = self.pool.sgmv_args[layer].get(fused)
+        return None if la is None else self._sgmv.mm_add(la, x, w)
 
     def _arena_rows(self, nmod: int) -> torch.Tensor:
         """int64 ``[n, R * nmod]``: row ``j`` of the batch's ``i``-th slot in an arena of ``nmod`` sub-modules

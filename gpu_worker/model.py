@@ -43,6 +43,10 @@ class LoraApplier(Protocol):
         For row-parallel modules (o, down) ``out`` is the rank's partial sum before the all-reduce.
         """
 
+    def mm_add(self, layer: int, module: str, x: torch.Tensor, w: object) -> torch.Tensor | None:
+        """``x @ w.T`` with ``module``'s LoRA delta added, in one kernel call where the applier has one for the
+        weight ``w`` (the values :meth:`add` gives after the product); None: multiply, then :meth:`add`."""
+
 
 @dataclass
 class DecodeGroup:
@@ -190,6 +194,18 @@ class LlamaShard:
         if self.tp > 1:
             self.all_reduce_fn = lambda t: dist.all_reduce(t, group=group)
 
+    def _mm_lora(self, x: torch.Tensor, w: object, lora: LoraApplier | None, layer: int, module: str) -> torch.Tensor:
+        """``x @ w.T`` plus ``module``'s LoRA delta where ``lora`` is given: one fused call where the applier has
+        one for this weight, else :meth:`_mm` and then ``lora.add``."""
+        if lora is not None:
+            out = lora.mm_add(layer, module, x, w)
+            if out is not None:
+                return out
+        out = self._mm(x, w)  # type: ignore[arg-type]
+        if lora is not None:
+            lora.add(layer, module, x, out)
+        return out
+
     def _mm(self, x: torch.Tensor, w: torch.Tensor | QuantLinear | PackedLinear) -> torch.Tensor:
         """``x @ w.T``; on CPUs without fast bf16 GEMM, batches of many rows compute in fp32.
 
@@ -318,9 +334,7 @@ class LlamaShard:
             else:
                 x = x if pending is None else x + pending
                 h = rms_norm(x, lw["input_norm"], cfg.rms_norm_eps)
-            qkv = self._mm(h, lw["qkv"])
-            if lora is not None:
-                lora.add(i, "qkv", h, qkv)
+            qkv = self._mm_lora(h, lw["qkv"], lora, i, "qkv")
             if ops is not None and qkv.stride(1) == 1:  # rotary in place on q and k, then K/V into the cache
                 ops.rope_store(qkv, (nq, nkv, d), cos[:, 0], sin[:, 0], kv.k[i], kv.v[i], s.out_slots)
                 q = qkv[:, : nq * d].view(-1, nq, d)
@@ -334,26 +348,20 @@ class LlamaShard:
                 kv.k[i].index_copy_(0, s.out_slots, k)
                 kv.v[i].index_copy_(0, s.out_slots, v)
             a = self._attention(s, q, k, v, kv, i)
-            o = self._mm(a, lw["o"])
-            if lora is not None:
-                lora.add(i, "o", a, o)
+            o = self._mm_lora(a, lw["o"], lora, i, "o")
             o = self._all_reduce(o)
             if ops is not None and o.stride(1) == 1:
                 h = ops.add_rms_norm(x, o, lw["post_norm"], cfg.rms_norm_eps)
             else:
                 x = x + o
                 h = rms_norm(x, lw["post_norm"], cfg.rms_norm_eps)
-            gu = self._mm(h, lw["gate_up"])
-            if lora is not None:
-                lora.add(i, "gate_up", h, gu)
+            gu = self._mm_lora(h, lw["gate_up"], lora, i, "gate_up")
             if ops is not None and gu.stride(1) == 1:
                 m = ops.silu_mul(gu, self.ffn_local)
             else:
                 gate, up = gu.split([self.ffn_local, self.ffn_local], dim=-1)
                 m = F.silu(gate) * up
-            dn = self._mm(m, lw["down"])
-            if lora is not None:
-                lora.add(i, "down", m, dn)
+            dn = self._mm_lora(m, lw["down"], lora, i, "down")
             pending = self._all_reduce(dn)
         return x, pending
 
@@ -390,21 +398,13 @@ class LlamaShard:
         pending = None
         for i, lw in enumerate(self.w["layers"]):
             h = b.add_rms_norm(pending, lw["input_norm"], eps)
-            qkv = self._mm(h, lw["qkv"])
-            if lora is not None:
-                lora.add(i, "qkv", h, qkv)
+            qkv = self._mm_lora(h, lw["qkv"], lora, i, "qkv")
             a = b.rope_attend(i, qkv)
-            o = self._mm(a, lw["o"])
-            if lora is not None:
-                lora.add(i, "o", a, o)
+            o = self._mm_lora(a, lw["o"], lora, i, "o")
             h = b.add_rms_norm(self._all_reduce(o), lw["post_norm"], eps)
-            gu = self._mm(h, lw["gate_up"])
-            if lora is not None:
-                lora.add(i, "gate_up", h, gu)
+            gu = self._mm_lora(h, lw["gate_up"], lora, i, "gate_up")
             m = b.silu_mul(gu)
-            dn = self._mm(m, lw["down"])
-            if lora is not None:
-                lora.add(i, "down", m, dn)
+            dn = self._mm_lora(m, lw["down"], lora, i, "down")
             pending = self._all_reduce(dn)
         return pending
 

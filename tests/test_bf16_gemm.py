@@ -118,3 +118,59 @@ def test_a_bf16_model_on_the_kernel_is_as_close_to_fp32_as_on_onednn(fn) -> None
     assert float(e_loom.mean()) <= 1.2 * float(e_dnnl.mean()) + 0.01, (e_loom.mean(), e_dnnl.mean())
     agree = {name: int((t.argmax(1) == ref.argmax(1)).sum()) for name, t in (("loom", loom), ("onednn", onednn))}
     assert agree["loom"] >= agree["onednn"] - 1 and agree["loom"] >= len(prompts) - 2, agree
+
+
+def test_a_mixed_batch_through_the_fused_gemm_and_lora_call_is_the_same_bits(fn) -> None:
+    """A bf16 worker on Loom's GEMM and the cpu-sgmv LoRA kernel serves each projection with one kernel call
+    (``SgmvStep.mm_add``: the GEMM's panels between the shrink's items). A prefill and two decode steps of rows
+    under five adapters and the base model give the same logits, bit for bit, as the GEMM and the LoRA kernel called
+    one after the other; and the one call really served them."""
+    from lora_helpers import six_adapter_worker
+
+    from gpu_worker.bf16_gemm import Bf16GemmLinear
+    from gpu_worker.lora_kernel import SgmvStep
+    from ipc.messages import BatchReq, ForwardBatch, WorkerSampling
+
+    w = six_adapter_worker(dtype="bfloat16", lora_backend="cpu-sgmv", max_total_tokens=1024)
+    if w.lora.sgmv_gemm is None:
+        pytest.skip("no fused entry here (the LoRA kernel built without it)")
+    for lw in w.model.w["layers"]:
+        for k in ("qkv", "o", "gate_up", "down"):
+            v = lw[k]
+            dense = v if isinstance(v, torch.Tensor) else v.mm(torch.eye(v.in_features, dtype=torch.bfloat16)).T
+            lw[k] = Bf16GemmLinear(dense.contiguous(), fn)
+    uids = [None, *sorted(w.lora.host_uids())][:6]
+    sp = WorkerSampling(0.0, 1.0, -1, None)
+    prompts = [[1, 504 + 7 * i, 3458, 282 + i, 9690][: 3 + i % 3] for i in range(12)]
+    calls = []
+    fused_mm_add = SgmvStep.mm_add
+
+    def counted(self, *a):
+        out = fused_mm_add(self, *a)
+        calls.append(out is not None)
+        return out
+
+    def run() -> list[torch.Tensor]:
+        logits, base = [], [64 * i for i in range(len(prompts))]
+        reqs = [BatchReq(f"r{i}", i, p, 0, list(range(base[i], base[i] + len(p))), uids[i % len(uids)], sp)
+                for i, p in enumerate(prompts)]  # fmt: skip
+        logits.append(w.forward_logits(ForwardBatch(1, reqs)).float())
+        for k in range(2):
+            reqs = [BatchReq(f"r{i}", i, [1000 + k], len(p) + k, [base[i] + len(p) + k], uids[i % len(uids)], sp, k + 1)
+                    for i, p in enumerate(prompts)]  # fmt: skip
+            logits.append(w.forward_logits(ForwardBatch(k + 2, reqs)).float())
+        return logits
+
+    SgmvStep.mm_add = counted
+    try:
+        fused = run()
+        assert calls and all(calls), "the fused call did not serve the projections"
+        keep, w.lora.sgmv_gemm = w.lora.sgmv_gemm, None
+        calls.clear()
+        apart = run()
+        assert not any(calls)
+        w.lora.sgmv_gemm = keep
+    finally:
+        SgmvStep.mm_add = fused_mm_add
+    for a, b in zip(fused, apart, strict=True):
+        assert torch.equal(a, b), (a - b).abs().max()

@@ -11,9 +11,11 @@ import torch
 from gpu_worker.lora_kernel import (
     TILE_PAD,
     SgmvLayerArgs,
+    SgmvStep,
     b_row_elems,
     choose_backend,
     load_sgmv,
+    load_sgmv_gemm,
     pack_b,
     sgmv_add,
     unpack_b,
@@ -181,6 +183,87 @@ def _check_against_float64(
     tol = 1e-5 if xdt == torch.float32 else 2e-2
     torch.testing.assert_close(out.double(), want, atol=tol, rtol=tol)
     return out
+
+
+@pytest.fixture(scope="module")
+def gemm_fns(fn, kernel_dir):
+    """(loom_lora_sgmv_gemm, loom_bf16_gemm) where this CPU runs Loom's bf16 GEMM (AVX512-BF16)."""
+    from gpu_worker.bf16_gemm import Bf16GemmLinear, load_gemm
+
+    fused, gemm = load_sgmv_gemm(kernel_dir), load_gemm(kernel_dir)
+    if fused is None or gemm is None:
+        pytest.skip("the bf16 GEMM or the fused entry did not build here")
+    try:
+        Bf16GemmLinear(torch.zeros(48, 64, dtype=torch.bfloat16), gemm).mm(torch.zeros(1, 64, dtype=torch.bfloat16))
+    except RuntimeError:
+        pytest.skip("no AVX512-BF16 here: bf16 workers multiply on oneDNN and never take the fused call")
+    return fused, gemm
+
+
+def _step_rows(n_slots: int, per_token, seed: int, base_rows: int = 5):
+    """Rows of a step: each slot's tokens (a count drawn from ``per_token``) and base rows, shuffled; the kernel's
+    token list grouped by slot and its segments."""
+    rnd = random.Random(seed)
+    owner = [s for s in range(n_slots) for _ in range(rnd.choice(per_token))] + [-1] * base_rows
+    rnd.shuffle(owner)
+    tok, seg = [], []
+    for s in range(n_slots):
+        rows = [t for t, o in enumerate(owner) if o == s]
+        seg.append((s, len(tok), len(tok) + len(rows)))
+        tok.extend(rows)
+    return len(owner), torch.tensor(tok, dtype=torch.int64), torch.tensor(seg, dtype=torch.int64).view(-1, 3)
+
+
+@pytest.mark.parametrize(
+    "in_dim,outs,n_slots,max_rank,per_token,empty",
+    [
+        (64, [64, 32, 32], 4, 16, (1, 2, 3, 5, 8, 9, 19), ()),
+        (128, [80, 48, 16], 5, 45, (1, 4, 7, 13), (1,)),  # widths off the GEMM's 48-column panels, odd ranks
+        (96, [96, 200], 40, 16, (1, 1, 2, 3), (0, 17)),  # a decode step's many short segments
+        (576, [576, 192, 192], 9, 64, (7, 8), ()),  # the model's q|k|v at a 64-row decode step's shape
+        (64, [64], 3, 8, (1, 2), (0, 1, 2)),  # no slot has weights here: the GEMM alone
+    ],
+)
+def test_gemm_and_lora_in_one_call_is_the_two_calls_bit_for_bit(fn, gemm_fns, in_dim, outs, n_slots, max_rank,
+                                                                 per_token, empty):  # fmt: skip
+    """``SgmvStep.mm_add`` (the base GEMM's panels between the shrink's items, then the expand) gives exactly the
+    bits of Loom's bf16 GEMM followed by the LoRA kernel's add, on 1, 2 and 3 threads."""
+    from gpu_worker.bf16_gemm import Bf16GemmLinear
+
+    fused_fn, gemm = gemm_fns
+    la, _, _ = _case(in_dim + n_slots, in_dim, outs, n_slots, max_rank, torch.bfloat16, empty)
+    rows, tok, seg = _step_rows(n_slots, per_token, seed=in_dim)
+    g = torch.Generator().manual_seed(3)
+    w = Bf16GemmLinear((torch.randn(sum(outs), in_dim, generator=g) * 0.05).to(torch.bfloat16), gemm)
+    x = torch.randn(rows, in_dim, generator=g).to(torch.bfloat16)
+    step = SgmvStep(fn, tok, seg, torch.zeros(len(tok) + 8, max_rank * len(outs)), fused_fn)
+    want = w.mm(x)
+    step.add(la, x, want)
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            got = step.mm_add(la, x, w)
+            assert got is not None and got.shape == want.shape
+            assert torch.equal(got, want), f"{n} threads: {(got.float() - want.float()).abs().max()}"
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_one_call_declines_what_it_cannot_take(fn, gemm_fns):
+    """Another weight type or an fp32 x: mm_add returns None (the model then multiplies and adds as before);
+    without the fused entry, too."""
+    from gpu_worker.bf16_gemm import Bf16GemmLinear
+
+    fused_fn, gemm = gemm_fns
+    la, _, _ = _case(1, 64, [64], 2, 8, torch.bfloat16)
+    rows, tok, seg = _step_rows(2, (2,), seed=1)
+    wt = torch.randn(64, 64).to(torch.bfloat16)
+    x = torch.randn(rows, 64).to(torch.bfloat16)
+    step = SgmvStep(fn, tok, seg, torch.zeros(len(tok) + 8, 8), fused_fn)
+    assert step.mm_add(la, x, wt) is None  # a plain tensor weight
+    assert step.mm_add(la, x.float(), Bf16GemmLinear(wt, gemm)) is None
+    assert SgmvStep(fn, tok, seg, torch.zeros(len(tok) + 8, 8)).mm_add(la, x, Bf16GemmLinear(wt, gemm)) is None
 
 
 def test_kernel_rejects_what_it_cannot_take(fn):

@@ -15,6 +15,7 @@
  * Threads: OpenMP when built with it (the process shares torch's already-loaded libgomp, one thread pool).
  */
 #include "loom_cpu.h"
+#include "bf16_tiles.h"
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -639,6 +640,29 @@ static void expand_amx(const uint16_t* ut, int64_t r, const uint16_t* b, int nt,
 }
 #endif
 
+/* A thread's walk over its shrink items: segment g, its item count n, the item's index rest within it */
+typedef struct {
+    int64_t g, n, rest;
+} sg_walk;
+
+#define PF_LINES 4096 /* most lines listed for one panel's prefetches (256 KB of A) */
+
+/* The cache lines of the A rows of the next count shrink items from w (a copy: the caller's walk stays), into
+ * line[0..PF_LINES); returns how many. Item (segment, token block, JB rows) reads rows [jb * JB, j1) of its slot's
+ * A, row_bytes each. */
+static int64_t item_lines(sg_walk w, int64_t count, const int64_t* seg, const int32_t* ranks, int64_t nmod,
+                          const int64_t* a_tab, int64_t row_bytes, const char** line) {
+    int64_t n = 0;
+    for (int64_t c = 0; c < count; c++, w.rest++) {
+        while (w.rest >= w.n) w.rest -= w.n, w.n = shrink_items(seg, ++w.g, ranks, nmod);
+        const int64_t s = seg[3 * w.g], rows = seg_rmax(s, ranks, nmod) * nmod, nj = (rows + JB - 1) / JB;
+        const int64_t jb = w.rest % nj, j1 = (jb + 1) * JB < rows ? (jb + 1) * JB : rows;
+        const char* a = (const char*)a_tab[s] + jb * JB * row_bytes;
+        for (int64_t b = 0; b < (j1 - jb * JB) * row_bytes && n < PF_LINES; b += 64) line[n++] = a + b;
+    }
+    return n;
+}
+
 /* Returns 0, or -1 when in_dim is over the kernel's row buffers (the caller then uses its torch path).
  * tok: the LoRA tokens' rows of x/out, grouped by slot; seg: nseg x (slot, p0, p1), positions into tok.
  * ranks: [slots, nmod] int32 of this layer (0 = the slot has no weights there).
@@ -649,18 +673,25 @@ static void expand_amx(const uint16_t* ut, int64_t r, const uint16_t* b, int nt,
  * b_tab[s * nmod + k]: sub-module k's expand weights, packed at rank r = ranks[s][k] in column blocks of 32 (zero
  * past out_k[k]): fp32 [blocks][r][32], bf16 [blocks][ceil(r / 2)][32][2], followed by readable finite values
  * (AMX's tiles read past the last rank pair and multiply them by zero u).
- * u: fp32 scratch [len(tok) + 8][u_stride >= largest rank * nmod], module-major rows, rows past len(tok) zero. */
+ * u: fp32 scratch [len(tok) + 8][u_stride >= largest rank * nmod], module-major rows, rows past len(tok) zero.
+ * gj: NULL, or the projection's base GEMM (Loom's bf16 GEMM, bf16_tiles.h) of the same x into out, computed by the
+ * same threads before the expand, its panels interleaved with the shrink (see loom_lora_sgmv_gemm). */
+typedef struct {
+    int64_t M, n_out;
+    const uint16_t* wp;
+} gemm_job;
+
 static int lora_sgmv(int64_t in_dim, const void* x, int x_bf16, void* out, int64_t out_stride, int out_bf16,
                      const int64_t* tok, int64_t nseg, const int64_t* seg, const int64_t* a_tab, const int64_t* b_tab,
                      int w_bf16, int64_t nmod, const int32_t* ranks,
-                     const int64_t* out_k, const int64_t* col_k, float* u, int64_t u_stride) {
+                     const int64_t* out_k, const int64_t* col_k, float* u, int64_t u_stride, const gemm_job* gj) {
     if (in_dim > MAXIN) return -1;
-    if (nseg == 0) return 0; /* no adapter rows: skip the threads' fork and join */
+    if (nseg == 0 && !gj) return 0; /* no adapter rows: skip the threads' fork and join */
     const int64_t esz = w_bf16 ? 2 : 4;
     const int bf16dot = HAVE_BF16_DOT && x_bf16 && w_bf16;
 #if HAVE_AMX
     /* AMX for the shrink when A's buffer has whole 16-row tiles (the pool pads it) and inputs are 32-aligned */
-    const int amx = bf16dot && in_dim % 32 == 0 && amx_enable();
+    const int amx = bf16dot && in_dim % 32 == 0 && amx_enable() && !gj;
 #endif
 #ifdef _OPENMP
 #pragma omp parallel
@@ -698,7 +729,28 @@ static int lora_sgmv(int64_t in_dim, const void* x, int x_bf16, void* out, int64
             thread_range(total, &lo, &hi);
             int64_t rest = lo;
             if (lo < hi) n = shrink_items(seg, 0, ranks, nmod);
-            for (int64_t it = lo; it < hi; it++, rest++) {
+            /* with a GEMM job, this thread's panels [plo, phi) go between its shrink items: after panel i, the items
+             * up to its (i + 1)-th share, whose A rows were prefetched while the panel computed (the GEMM is bound
+             * by arithmetic, the shrink by memory: interleaved, the A reads overlap the GEMM) */
+            int64_t plo = 0, phi = 0;
+#if HAVE_GEMM
+            if (gj) thread_range((gj->n_out + NR - 1) / NR, &plo, &phi);
+#endif
+            const int64_t npan = phi - plo;
+            int64_t it = lo;
+            for (int64_t pi = 0; it < hi || pi < npan; pi++) {
+                int64_t stop = hi;
+#if HAVE_GEMM
+                if (pi < npan) {
+                    stop = lo + (hi - lo) * (pi + 1) / npan;
+                    const char* lines[PF_LINES];
+                    const sg_walk w = {g, n, rest};
+                    pf_list pf = {lines, item_lines(w, stop - it, seg, ranks, nmod, a_tab, in_dim * esz, lines), 0};
+                    gemm_panel(plo + pi, gj->M, in_dim, gj->n_out, (const uint16_t*)x, in_dim, gj->wp, (uint16_t*)out,
+                               out_stride, &pf);
+                }
+#endif
+            for (; it < stop; it++, rest++) {
                 while (rest >= n) rest -= n, n = shrink_items(seg, ++g, ranks, nmod);
                 int64_t s = seg[3 * g], p0 = seg[3 * g + 1], p1 = seg[3 * g + 2];
                 int64_t rows = seg_rmax(s, ranks, nmod) * nmod, nj = (rows + JB - 1) / JB;
@@ -711,6 +763,7 @@ static int lora_sgmv(int64_t in_dim, const void* x, int x_bf16, void* out, int64
                 }
                 int64_t j1 = (jb + 1) * JB < rows ? (jb + 1) * JB : rows;
                 shrink_block(xf, nt, (const char*)a_tab[s], w_bf16, in_dim, jb * JB, j1, u, u_stride, pa, bf16dot, nmod);
+            }
             }
         }
 #ifdef _OPENMP
@@ -816,5 +869,29 @@ int loom_lora_sgmv(const int64_t* a) {
     const int64_t* l = (const int64_t*)a[5];
     return lora_sgmv(l[0], (const void*)a[0], (int)a[1], (void*)a[2], a[3], (int)a[4], (const int64_t*)a[6], a[7],
                      (const int64_t*)a[8], (const int64_t*)l[1], (const int64_t*)l[2], (int)l[3], l[4],
-                     (const int32_t*)l[5], (const int64_t*)l[6], (const int64_t*)l[7], (float*)a[9], a[10]);
+                     (const int32_t*)l[5], (const int64_t*)l[6], (const int64_t*)l[7], (float*)a[9], a[10], NULL);
+}
+
+/* The projection's base GEMM and its LoRA in one call: out = x @ W^T (Loom's bf16 GEMM over W's packed panels, as
+ * loom_bf16_gemm computes it), then out += the LoRA deltas as loom_lora_sgmv adds them, so the result is the same
+ * as those two calls one after the other, bit for bit. What changes is the order: each thread computes its share
+ * of the GEMM's panels between its shrink items, prefetching the next items' A rows while a panel computes, so the
+ * shrink's reads of the adapters (half their bytes), bound by memory, overlap the GEMM's arithmetic instead of
+ * following it; the expand follows both, after one barrier (issue 10).
+ * The block: loom_lora_sgmv's 11 values (x and out bf16, x rows contiguous: out_stride elements for out), then
+ *   [11] M (rows of x and out), [12] n_out (out's columns), [13] wp (W packed as bf16_gemm.pack_weight, K = in_dim).
+ * Returns 0, -1 as loom_lora_sgmv, 1 for arguments the GEMM cannot take (x or out not bf16, K odd), 3 where the
+ * kernel was built without AVX512-BF16. Never uses AMX (the GEMM's tiles are vdpbf16ps). */
+int loom_lora_sgmv_gemm(const int64_t* a) {
+#if HAVE_GEMM
+    const int64_t* l = (const int64_t*)a[5];
+    const gemm_job gj = {a[11], a[12], (const uint16_t*)a[13]};
+    if (!a[1] || !a[4] || l[0] % 2 || l[0] <= 0 || gj.M < 0 || gj.n_out < 0) return 1;
+    return lora_sgmv(l[0], (const void*)a[0], (int)a[1], (void*)a[2], a[3], (int)a[4], (const int64_t*)a[6], a[7],
+                     (const int64_t*)a[8], (const int64_t*)l[1], (const int64_t*)l[2], (int)l[3], l[4],
+                     (const int32_t*)l[5], (const int64_t*)l[6], (const int64_t*)l[7], (float*)a[9], a[10], &gj);
+#else
+    (void)a;
+    return 3;
+#endif
 }
