@@ -769,17 +769,19 @@ def main(argv: list[str] | None = None) -> int:
         while True:
             cluster.supervise()
     except _Stop as s:
-        if s.signum == signal.SIGTERM and up:
-            log.info("SIGTERM received; draining (up to %.0f s for requests in flight)", args.shutdown_timeout_s)
-            try:
+        # a second signal may land anywhere in here (``timeout`` and a process-group kill both send one): it cuts
+        # the drain short, never the shutdown (the log line before the drain counts as part of it)
+        try:
+            if s.signum == signal.SIGTERM and up:
+                log.info("SIGTERM received; draining (up to %.0f s for requests in flight)", args.shutdown_timeout_s)
                 cluster.drain(args.shutdown_timeout_s)
-            except _Stop as again:
-                log.info("%s received while draining; stopping now", again)
-            except RuntimeError as e:
-                log.error("%s", e)
-                code = 1
-        else:
-            log.info("%s received; shutting down", s)
+            else:
+                log.info("%s received; shutting down", s)
+        except _Stop as again:
+            log.info("%s received while shutting down; stopping now", again)
+        except RuntimeError as e:
+            log.error("%s", e)
+            code = 1
     except RuntimeError as e:
         log.error("%s", e)
         code = 1
