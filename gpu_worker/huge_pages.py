@@ -16,12 +16,13 @@ from __future__ import annotations
 import ctypes
 import logging
 import mmap
-import os
 import sys
 from collections.abc import Iterable
 from functools import cache
 
 import torch
+
+from gpu_worker.env_switch import switch_on
 
 log = logging.getLogger(__name__)
 
@@ -30,22 +31,10 @@ MADV_HUGEPAGE = 14  # <linux/mman.h>
 MIN_BYTES = HUGE  # smaller buffers cannot hold a whole huge page; they stay plain allocations
 
 
-_OFF = ("0", "false", "off", "no")
-_ON = ("", "1", "true", "on", "yes")
-
-
 def enabled() -> bool:
     """True on Linux unless ``LOOM_HUGE_PAGES`` is ``0`` (or ``false``, ``off``, ``no``); any value that is
-    neither on nor off is logged once as a warning and leaves huge pages on."""
-    value = os.environ.get("LOOM_HUGE_PAGES", "1").strip().lower()
-    if value not in _OFF + _ON:
-        _warn_unknown(value)
-    return sys.platform == "linux" and value not in _OFF
-
-
-@cache
-def _warn_unknown(value: str) -> None:
-    log.warning("LOOM_HUGE_PAGES=%r is neither 0/false/off/no nor 1/true/on/yes: huge pages stay on", value)
+    neither on nor off is logged once as a warning and leaves huge pages on (:func:`env_switch.switch_on`)."""
+    return sys.platform == "linux" and switch_on("LOOM_HUGE_PAGES")
 
 
 @cache

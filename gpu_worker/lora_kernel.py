@@ -9,13 +9,14 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import logging
-import os
 from functools import cache
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from gpu_worker.bf16_gemm import Bf16GemmLinear
+from gpu_worker.env_switch import switch_on
 from gpu_worker.native_build import CSRC, load_kernel
 
 SOURCE = CSRC / "lora_sgmv.c"
@@ -104,7 +105,7 @@ def load_sgmv_gemm(cache_dir: Path) -> ctypes._CFuncPtr | None:  # type: ignore[
     """``loom_lora_sgmv_gemm``: a projection's bf16 base GEMM (Loom's, :mod:`gpu_worker.bf16_gemm`) and its LoRA in
     one call, the GEMM's panels interleaved with the shrink (see :meth:`SgmvStep.mm_add`); None as
     :func:`load_sgmv`, or where ``LOOM_LORA_GEMM`` is 0 (an A/B switch: the two calls one after the other)."""
-    if os.environ.get("LOOM_LORA_GEMM", "1").strip().lower() in ("0", "false", "off", "no"):
+    if not switch_on("LOOM_LORA_GEMM"):
         return None
     return None if load_sgmv(cache_dir) is None else _GEMM_ENTRY.get(cache_dir)
 
@@ -233,8 +234,6 @@ class SgmvStep:
         ``gemm_fn``, ``w`` not a :class:`~gpu_worker.bf16_gemm.Bf16GemmLinear`, ``x`` not bf16 or of another width.
         Raises ValueError for an input wider than the kernel's buffers.
         """
-        from gpu_worker.bf16_gemm import Bf16GemmLinear
-
         if self.gemm_fn is None or not isinstance(w, Bf16GemmLinear) or x.dtype != torch.bfloat16:
             return None
         if x.shape[1] != la.in_dim or w.in_features != la.in_dim:

@@ -695,7 +695,7 @@ class LoraBatch:
         """``x @ w.T`` plus :meth:`add`'s delta, in one call of the C kernel with the base GEMM where ``w`` is
         Loom's bf16 GEMM weight (:meth:`lora_kernel.SgmvStep.mm_add`: the same values, the adapters' reads under
         the GEMM's arithmetic); None otherwise, for the caller to multiply and :meth:`add`."""
-        if self._sgmv is None or self._sgmv.gemm_fn is None:
+        if self._sgmv is None:
             return None
         la = self.pool.sgmv_args[layer].get(fused)
         return None if la is None else self._sgmv.mm_add(la, x, w)

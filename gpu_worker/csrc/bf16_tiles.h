@@ -65,26 +65,28 @@ DEFINE_TILE(4, tile4pf, 1)
 DEFINE_TILE(2, tile2pf, 1)
 DEFINE_TILE(1, tile1pf, 1)
 
-/* out columns of panel p (all M rows) = x @ W^T there: blocks of 8 rows, then tails of 4, 2 and 1 */
+/* out columns of panel p (all M rows) = x @ W^T there; with pf, its lines are prefetched on the way */
 static inline void gemm_panel(int64_t p, int64_t M, int64_t K, int64_t n_out, const uint16_t* x, int64_t xs,
                               const uint16_t* wp, uint16_t* out, int64_t os, pf_list* pf) {
     const uint16_t* w = wp + p * K * NR;
     const int64_t cw = n_out - p * NR < NR ? n_out - p * NR : NR;
     uint16_t* o = out + p * NR;
-    int64_t m = 0;
-    if (pf) {
-        for (; m + 8 <= M; m += 8) tile8pf(x + m * xs, xs, K, w, o + m * os, os, cw, pf);
-        if (M - m >= 4) tile4pf(x + m * xs, xs, K, w, o + m * os, os, cw, pf), m += 4;
-        if (M - m >= 2) tile2pf(x + m * xs, xs, K, w, o + m * os, os, cw, pf), m += 2;
-        if (M - m >= 1) tile1pf(x + m * xs, xs, K, w, o + m * os, os, cw, pf);
-    } else {
-        for (; m + 8 <= M; m += 8) tile8(x + m * xs, xs, K, w, o + m * os, os, cw, pf);
-        if (M - m >= 4) tile4(x + m * xs, xs, K, w, o + m * os, os, cw, pf), m += 4;
-        if (M - m >= 2) tile2(x + m * xs, xs, K, w, o + m * os, os, cw, pf), m += 2;
-        if (M - m >= 1) tile1(x + m * xs, xs, K, w, o + m * os, os, cw, pf);
+    /* blocks of 8 rows, then one of 4, 2 and 1 as the rows left need, on the tiles t8 .. t1 */
+#define PANEL_ROWS(t8, t4, t2, t1)                                                                              \
+    do {                                                                                                        \
+        int64_t m = 0;                                                                                          \
+        for (; m + 8 <= M; m += 8) t8(x + m * xs, xs, K, w, o + m * os, os, cw, pf);                            \
+        if (M - m >= 4) t4(x + m * xs, xs, K, w, o + m * os, os, cw, pf), m += 4;                               \
+        if (M - m >= 2) t2(x + m * xs, xs, K, w, o + m * os, os, cw, pf), m += 2;                               \
+        if (M - m >= 1) t1(x + m * xs, xs, K, w, o + m * os, os, cw, pf);                                       \
+    } while (0)
+    if (!pf) {
+        PANEL_ROWS(tile8, tile4, tile2, tile1);
+        return;
     }
-    if (pf)
-        while (pf->i < pf->n) __builtin_prefetch(pf->line[pf->i++], 0, 2); /* what the tiles left */
+    PANEL_ROWS(tile8pf, tile4pf, tile2pf, tile1pf);
+#undef PANEL_ROWS
+    while (pf->i < pf->n) __builtin_prefetch(pf->line[pf->i++], 0, 2); /* what the tiles left */
 }
 #else
 #define HAVE_GEMM 0

@@ -647,18 +647,26 @@ typedef struct {
 
 #define PF_LINES 4096 /* most lines listed for one panel's prefetches (256 KB of A) */
 
+/* Shrink item rest of segment g (on the vector path: token block x block of JB rows of A): its token block, and
+ * the rows [*j0, *j1) of its slot's A it reads */
+static inline int64_t shrink_item(const int64_t* seg, int64_t g, int64_t rest, const int32_t* ranks, int64_t nmod,
+                                  int64_t* j0, int64_t* j1) {
+    const int64_t rows = seg_rmax(seg[3 * g], ranks, nmod) * nmod, nj = (rows + JB - 1) / JB;
+    *j0 = rest % nj * JB;
+    *j1 = *j0 + JB < rows ? *j0 + JB : rows;
+    return rest / nj;
+}
+
 /* The cache lines of the A rows of the next count shrink items from w (a copy: the caller's walk stays), into
- * line[0..PF_LINES); returns how many. Item (segment, token block, JB rows) reads rows [jb * JB, j1) of its slot's
- * A, row_bytes each. */
+ * line[0..PF_LINES); returns how many (rows of row_bytes each) */
 static int64_t item_lines(sg_walk w, int64_t count, const int64_t* seg, const int32_t* ranks, int64_t nmod,
                           const int64_t* a_tab, int64_t row_bytes, const char** line) {
-    int64_t n = 0;
+    int64_t n = 0, j0, j1;
     for (int64_t c = 0; c < count; c++, w.rest++) {
         while (w.rest >= w.n) w.rest -= w.n, w.n = shrink_items(seg, ++w.g, ranks, nmod);
-        const int64_t s = seg[3 * w.g], rows = seg_rmax(s, ranks, nmod) * nmod, nj = (rows + JB - 1) / JB;
-        const int64_t jb = w.rest % nj, j1 = (jb + 1) * JB < rows ? (jb + 1) * JB : rows;
-        const char* a = (const char*)a_tab[s] + jb * JB * row_bytes;
-        for (int64_t b = 0; b < (j1 - jb * JB) * row_bytes && n < PF_LINES; b += 64) line[n++] = a + b;
+        shrink_item(seg, w.g, w.rest, ranks, nmod, &j0, &j1);
+        const char* a = (const char*)a_tab[seg[3 * w.g]] + j0 * row_bytes;
+        for (int64_t b = 0; b < (j1 - j0) * row_bytes && n < PF_LINES; b += 64) line[n++] = a + b;
     }
     return n;
 }
@@ -750,20 +758,18 @@ static int lora_sgmv(int64_t in_dim, const void* x, int x_bf16, void* out, int64
                                out_stride, &pf);
                 }
 #endif
-            for (; it < stop; it++, rest++) {
-                while (rest >= n) rest -= n, n = shrink_items(seg, ++g, ranks, nmod);
-                int64_t s = seg[3 * g], p0 = seg[3 * g + 1], p1 = seg[3 * g + 2];
-                int64_t rows = seg_rmax(s, ranks, nmod) * nmod, nj = (rows + JB - 1) / JB;
-                int64_t tb = rest / nj, jb = rest % nj, pa = p0 + tb * TB;
-                int nt = (int)((p1 - pa) < TB ? (p1 - pa) : TB);
-                if (pa != xf_p0 || nt != xf_nt) {
-                    if (bf16dot) load_xh(x, in_dim, tok + pa, nt, (uint16_t*)xf);
-                    else load_x(x, x_bf16, in_dim, tok + pa, nt, xf);
-                    xf_p0 = pa, xf_nt = nt;
+                for (; it < stop; it++, rest++) {
+                    while (rest >= n) rest -= n, n = shrink_items(seg, ++g, ranks, nmod);
+                    int64_t s = seg[3 * g], p1 = seg[3 * g + 2], j0, j1;
+                    int64_t pa = seg[3 * g + 1] + shrink_item(seg, g, rest, ranks, nmod, &j0, &j1) * TB;
+                    int nt = (int)((p1 - pa) < TB ? (p1 - pa) : TB);
+                    if (pa != xf_p0 || nt != xf_nt) {
+                        if (bf16dot) load_xh(x, in_dim, tok + pa, nt, (uint16_t*)xf);
+                        else load_x(x, x_bf16, in_dim, tok + pa, nt, xf);
+                        xf_p0 = pa, xf_nt = nt;
+                    }
+                    shrink_block(xf, nt, (const char*)a_tab[s], w_bf16, in_dim, j0, j1, u, u_stride, pa, bf16dot, nmod);
                 }
-                int64_t j1 = (jb + 1) * JB < rows ? (jb + 1) * JB : rows;
-                shrink_block(xf, nt, (const char*)a_tab[s], w_bf16, in_dim, jb * JB, j1, u, u_stride, pa, bf16dot, nmod);
-            }
             }
         }
 #ifdef _OPENMP
