@@ -8,7 +8,9 @@ module installs a ``sitecustomize.py`` hook into the cluster's ``gpu_worker`` pr
 LM head's is ``mm_other``, inside ``logits``), the bound C layer ops and decode attention (``add_rms_norm``,
 ``rope_attend``, ``silu_mul``), each fused LoRA apply (``lora_qkv`` ...), the batch's LoRA preparation and input
 packing, and the whole ``Worker.step``. A step counts as ``mixed`` when any row names an adapter, else ``base``.
-Each rank writes ``phases-PID.json`` (milliseconds per step, averaged) after every counted step.
+Each rank writes ``phases-PID.json`` (milliseconds per step, averaged) after every counted step, and appends
+every step, of any kind, to ``trace-PID.jsonl`` (``[mode, rows, decode rows, input tokens, ms]``): how each burst of
+traffic started (``burst_starts``).
 
 With ``skip_lora`` the LoRA applies return at once (wrong tokens, right timing of everything else): what a mixed
 batch costs outside the LoRA arithmetic (its plan order, its traffic).
@@ -115,6 +117,10 @@ def _patch(mod):
             c = kinds[mode].setdefault(kind, [0, 0.0])
             c[0] += 1
             c[1] += perf() - t
+            ndec = sum(1 for r in fb.reqs if len(r.input_ids) == 1 and r.prefix_len)
+            ntok = sum(len(r.input_ids) for r in fb.reqs)
+            with open(_os.path.join(out_dir, "trace-%d.jsonl" % _os.getpid()), "a") as f:
+                f.write(_json.dumps([mode, len(fb.reqs), ndec, ntok, round((perf() - t) * 1e3, 2)]) + "\\n")
             path = _os.path.join(out_dir, "kinds-%d.json" % _os.getpid())
             with open(path + ".tmp", "w") as f:
                 _json.dump(kinds, f)
@@ -184,6 +190,9 @@ def phase_table(folder: Path) -> str:
         if base and mixed:
             rest = mixed["step"] - base["step"] - lora
             lines.append(f"  the LoRA applies {lora:.2f} ms; the rest of mixed - base {rest:+.2f} ms")
+    for i, p in enumerate(sorted(folder.glob("trace-*.jsonl"))):
+        lines.append(f"rank file {i}, each burst: its steps (with prefill), its first steps (rows/decode rows)")
+        lines += ["  " + b for b in burst_starts([json.loads(ln) for ln in p.read_text().splitlines()])]
     for i, p in enumerate(sorted(folder.glob("kinds-*.json"))):
         kinds = json.loads(p.read_text())
         lines.append(f"rank file {i}, every step by kind (count, seconds in all; base / mixed):")
@@ -191,3 +200,21 @@ def phase_table(folder: Path) -> str:
             (nb, sb), (nm, sm) = kinds["base"].get(k, (0, 0.0)), kinds["mixed"].get(k, (0, 0.0))
             lines.append(f"  {k:<20} {nb:5d} {sb:7.3f} s / {nm:5d} {sm:7.3f} s   mixed-base {sm - sb:+.3f} s")
     return "\n".join(lines) if lines else f"no decode steps were timed (no phases-*.json in {folder})"
+
+
+def burst_starts(trace: list[list]) -> list[str]:
+    """One line per burst in a step trace (``[mode, rows, decode rows, input tokens, ms]`` per step): a burst
+    starts at a step of two or more rows after a one-row step (bench/multi_lora.py warms each adapter up with one
+    request at a time) and ends before the next one-row step. A burst that reached the scheduler over several
+    steps and then started one chunk a step shows as many steps with prefill and first steps that grow slowly."""
+    out = []
+    for k in range(1, len(trace)):
+        if trace[k][1] < 2 or trace[k - 1][1] != 1:
+            continue
+        end = next((j for j in range(k + 1, len(trace)) if trace[j][1] == 1), len(trace))
+        burst = trace[k:end]
+        prefill = sum(1 for s in burst if s[2] < s[1])
+        first = " ".join(f"{s[1]}/{s[2]}" for s in burst[:6])
+        busy = sum(s[4] for s in burst) / 1e3
+        out.append(f"{burst[0][0]:<5} {len(burst):3d} steps ({prefill} with prefill), {busy:.2f} s: {first}")
+    return out

@@ -15,7 +15,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 
-from step_phases import phase_env, phase_table, read_phases  # noqa: E402
+from step_phases import burst_starts, phase_env, phase_table, read_phases  # noqa: E402
 
 # A stand-in for gpu_worker/main.py (the hook patches only that program): one worker on the real model with the
 # six test adapters, four rows prefilled, then decode steps all base and all under adapters; prints the tokens.
@@ -77,6 +77,22 @@ def test_decode_steps_are_timed_by_phase(tmp_path, skip_lora):
     assert (tokens["mixed"] == tokens["base"]) == skip_lora, tokens
     table = phase_table(tmp_path / "phases")
     assert "3 base and 3 mixed decode steps" in table and "lora_qkv" in table and "the LoRA applies" in table
+    # every step is traced, prefills too: [mode, rows, decode rows, input tokens, ms]
+    (trace,) = (tmp_path / "phases").glob("trace-*.jsonl")
+    steps = [json.loads(ln) for ln in trace.read_text().splitlines()]
+    assert [s[:4] for s in steps[:4]] == [["base", 4, 0, 15], *[["base", 4, 4, 4]] * 3], steps
+    assert [s[0] for s in steps] == ["base"] * 5 + ["mixed"] * 3 and all(s[4] > 0 for s in steps)  # base prefills
+
+
+def test_burst_starts_tells_a_burst_that_started_at_once_from_one_that_trickled():
+    warm = [["mixed", 1, 0, 30, 30.0], ["mixed", 1, 1, 1, 9.0]]
+    at_once = [["mixed", 64, 1, 700, 600.0]] + [["mixed", 64, 64, 64, 60.0]] * 63
+    trickled = [["mixed", 12, 0, 227, 200.0], ["mixed", 26, 12, 289, 250.0], ["mixed", 31, 26, 122, 100.0]]
+    trickled += [["mixed", 64, 64, 64, 60.0]] * 60 + [["mixed", 9, 9, 9, 15.0]] * 3
+    lines = burst_starts(warm + at_once + warm + trickled + warm)
+    assert len(lines) == 2, lines
+    assert "64 steps (1 with prefill), 4.38 s: 64/1 64/64" in lines[0]
+    assert "66 steps (3 with prefill), 4.20 s: 12/0 26/12 31/26 64/64" in lines[1]
 
 
 def test_a_folder_without_timings_says_so(tmp_path):
