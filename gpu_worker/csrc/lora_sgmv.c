@@ -149,35 +149,45 @@ static inline void hsum16(const __m512* v, float* out) {
     for (int i = 0; i < 16; i++) out[i] = f[4 * (i % 4) + i / 4];
 }
 
-/* u[t, j] and u[t, j'] (rows w0, w1 of A) for 8 tokens: each x vector loaded serves both rows, and the 16 sums are
- * reduced together (hsum16) instead of one by one */
-static inline void dotbf2x8(const uint16_t* xh, const uint16_t* w0, const uint16_t* w1, int64_t in_dim, float* u0,
-                            float* u1, int64_t u_stride, int nt) {
-    __m512 acc[16];
-    for (int t = 0; t < 16; t++) acc[t] = _mm512_setzero_ps();
-    int64_t i = 0;
-    for (; i + 32 <= in_dim; i += 32) {
-        __builtin_prefetch((const char*)(w0 + i) + SPF, 0, 2), __builtin_prefetch((const char*)(w1 + i) + SPF, 0, 2);
-        const __m512bh a0 = (__m512bh)_mm512_loadu_si512(w0 + i), a1 = (__m512bh)_mm512_loadu_si512(w1 + i);
-        for (int t = 0; t < 8; t++) {
-            const __m512bh xv = (__m512bh)_mm512_loadu_si512(xh + t * in_dim + i);
-            acc[t] = _mm512_dpbf16_ps(acc[t], xv, a0);
-            acc[8 + t] = _mm512_dpbf16_ps(acc[8 + t], xv, a1);
-        }
+/* u[t, j] and u[t, j'] (rows w0, w1 of A) for 3 <= NT <= 8 tokens: each x vector loaded serves both rows, and the 16
+ * sums are reduced together (hsum16) instead of one by one; NT is the block's exact token count (a block of 7
+ * padded to 8 spent an eighth of its arithmetic on a zero row) */
+#define DEFINE_DOTBF2X(NT)                                                                                         \
+    static inline void dotbf2x##NT(const uint16_t* xh, const uint16_t* w0, const uint16_t* w1, int64_t in_dim,    \
+                                   float* u0, float* u1, int64_t u_stride) {                                       \
+        __m512 acc[16];                                                                                            \
+        for (int t = 0; t < 16; t++) acc[t] = _mm512_setzero_ps();                                                 \
+        int64_t i = 0;                                                                                             \
+        for (; i + 32 <= in_dim; i += 32) {                                                                        \
+            __builtin_prefetch((const char*)(w0 + i) + SPF, 0, 2);                                                 \
+            __builtin_prefetch((const char*)(w1 + i) + SPF, 0, 2);                                                 \
+            const __m512bh a0 = (__m512bh)_mm512_loadu_si512(w0 + i), a1 = (__m512bh)_mm512_loadu_si512(w1 + i);  \
+            for (int t = 0; t < NT; t++) {                                                                         \
+                const __m512bh xv = (__m512bh)_mm512_loadu_si512(xh + t * in_dim + i);                            \
+                acc[t] = _mm512_dpbf16_ps(acc[t], xv, a0);                                                         \
+                acc[8 + t] = _mm512_dpbf16_ps(acc[8 + t], xv, a1);                                                 \
+            }                                                                                                      \
+        }                                                                                                          \
+        if (i < in_dim) {                                                                                          \
+            const __mmask32 m = (__mmask32)((1ull << (in_dim - i)) - 1);                                           \
+            const __m512bh a0 = (__m512bh)_mm512_maskz_loadu_epi16(m, w0 + i);                                    \
+            const __m512bh a1 = (__m512bh)_mm512_maskz_loadu_epi16(m, w1 + i);                                     \
+            for (int t = 0; t < NT; t++) {                                                                         \
+                const __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(m, xh + t * in_dim + i);                    \
+                acc[t] = _mm512_dpbf16_ps(acc[t], xv, a0);                                                         \
+                acc[8 + t] = _mm512_dpbf16_ps(acc[8 + t], xv, a1);                                                 \
+            }                                                                                                      \
+        }                                                                                                          \
+        float s[16];                                                                                               \
+        hsum16(acc, s);                                                                                            \
+        for (int t = 0; t < NT; t++) u0[t * u_stride] = s[t], u1[t * u_stride] = s[8 + t];                         \
     }
-    if (i < in_dim) {
-        const __mmask32 m = (__mmask32)((1ull << (in_dim - i)) - 1);
-        const __m512bh a0 = (__m512bh)_mm512_maskz_loadu_epi16(m, w0 + i), a1 = (__m512bh)_mm512_maskz_loadu_epi16(m, w1 + i);
-        for (int t = 0; t < 8; t++) {
-            const __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(m, xh + t * in_dim + i);
-            acc[t] = _mm512_dpbf16_ps(acc[t], xv, a0);
-            acc[8 + t] = _mm512_dpbf16_ps(acc[8 + t], xv, a1);
-        }
-    }
-    float s[16];
-    hsum16(acc, s);
-    for (int t = 0; t < nt; t++) u0[t * u_stride] = s[t], u1[t * u_stride] = s[8 + t];
-}
+DEFINE_DOTBF2X(3)
+DEFINE_DOTBF2X(4)
+DEFINE_DOTBF2X(5)
+DEFINE_DOTBF2X(6)
+DEFINE_DOTBF2X(7)
+DEFINE_DOTBF2X(8)
 #else
 #define HAVE_BF16_DOT 0
 #endif
@@ -321,11 +331,18 @@ static void shrink_block(const float* xf, int nt, const void* a, int w_bf16, int
     if (bf16dot) {
         const uint16_t* xh = (const uint16_t*)xf;
         int64_t j = j0;
-        if (nt > 4) /* rows in pairs: half the x loads, and the sums reduced 16 at a time */
-            for (; j + 1 < j1; j += 2)
-                dotbf2x8(xh, (const uint16_t*)a + j * in_dim, (const uint16_t*)a + (j + 1) * in_dim, in_dim,
-                         u + p0 * u_stride + j % nmod * rc + j / nmod,
-                         u + p0 * u_stride + (j + 1) % nmod * rc + (j + 1) / nmod, u_stride, nt);
+        if (nt > 2) /* rows in pairs: half the x loads, and the sums reduced 16 at a time */
+            for (; j + 1 < j1; j += 2) {
+                const uint16_t *w0 = (const uint16_t*)a + j * in_dim, *w1 = w0 + in_dim;
+                float *u0 = u + p0 * u_stride + j % nmod * rc + j / nmod;
+                float *u1 = u + p0 * u_stride + (j + 1) % nmod * rc + (j + 1) / nmod;
+                if (nt == 8) dotbf2x8(xh, w0, w1, in_dim, u0, u1, u_stride);
+                else if (nt == 7) dotbf2x7(xh, w0, w1, in_dim, u0, u1, u_stride);
+                else if (nt == 6) dotbf2x6(xh, w0, w1, in_dim, u0, u1, u_stride);
+                else if (nt == 5) dotbf2x5(xh, w0, w1, in_dim, u0, u1, u_stride);
+                else if (nt == 4) dotbf2x4(xh, w0, w1, in_dim, u0, u1, u_stride);
+                else dotbf2x3(xh, w0, w1, in_dim, u0, u1, u_stride);
+            }
         for (; j < j1; j++) {
             const uint16_t* w = (const uint16_t*)a + j * in_dim;
             float* uj = u + p0 * u_stride + j % nmod * rc + j / nmod;
@@ -508,7 +525,7 @@ static inline void add_bf16_32(uint16_t* o, __m512 lo, __m512 hi) {
     memcpy(o, &ha, 32), memcpy(o + VW, &hb, 32);
 }
 
-/* out[offs[t] ..) += ub[t][:r] @ blk for NT tokens (rows past nt computed, never stored) */
+/* out[offs[t] ..) += ub[t][:r] @ blk for NT tokens (the block's exact count: expand_block_bf passes nt == NT) */
 #define DEFINE_AXPYBF(NT)                                                                                         \
     static inline void axpybf##NT(const uint16_t* ub, int64_t r, const uint32_t* blk, void* out,                  \
                                   const int64_t* offs, int out_bf16, int nt, int64_t ow) {                         \
@@ -538,11 +555,12 @@ static inline void add_bf16_32(uint16_t* o, __m512 lo, __m512 hi) {
     }
 DEFINE_AXPYBF(1)
 DEFINE_AXPYBF(2)
+DEFINE_AXPYBF(3)
 DEFINE_AXPYBF(4)
+DEFINE_AXPYBF(5)
+DEFINE_AXPYBF(6)
+DEFINE_AXPYBF(7)
 DEFINE_AXPYBF(8)
-
-/* tokens the power-of-two kernel for nt tokens computes */
-static inline int nt_pad(int nt) { return nt > 4 ? 8 : nt > 2 ? 4 : nt; }
 
 /* the vdpbf16ps expand of one column block: out rows tok[p0..p0+nt), columns col + o0 .. */
 static void expand_block_bf(const uint16_t* ub, int64_t r, const uint32_t* blk, int64_t out_k, int64_t o0, int nt,
@@ -550,10 +568,17 @@ static void expand_block_bf(const uint16_t* ub, int64_t r, const uint32_t* blk, 
     int64_t offs[TB];
     for (int t = 0; t < nt; t++) offs[t] = tok[p0 + t] * out_stride + col + o0;
     int64_t ow = out_k - o0 < BC ? out_k - o0 : BC;
-    if (nt > 4) axpybf8(ub, r, blk, out, offs, 1, nt, ow);
-    else if (nt > 2) axpybf4(ub, r, blk, out, offs, 1, nt, ow);
-    else if (nt > 1) axpybf2(ub, r, blk, out, offs, 1, nt, ow);
-    else axpybf1(ub, r, blk, out, offs, 1, nt, ow);
+    /* the block's exact token count (a block of 7 padded to 8 spent an eighth of its arithmetic on nothing) */
+    switch (nt) {
+    case 8: axpybf8(ub, r, blk, out, offs, 1, nt, ow); break;
+    case 7: axpybf7(ub, r, blk, out, offs, 1, nt, ow); break;
+    case 6: axpybf6(ub, r, blk, out, offs, 1, nt, ow); break;
+    case 5: axpybf5(ub, r, blk, out, offs, 1, nt, ow); break;
+    case 4: axpybf4(ub, r, blk, out, offs, 1, nt, ow); break;
+    case 3: axpybf3(ub, r, blk, out, offs, 1, nt, ow); break;
+    case 2: axpybf2(ub, r, blk, out, offs, 1, nt, ow); break;
+    default: axpybf1(ub, r, blk, out, offs, 1, nt, ow);
+    }
 }
 #endif
 
@@ -847,7 +872,7 @@ static int lora_sgmv(int64_t in_dim, const void* x, int x_bf16, void* out, int64
 #if HAVE_BF16_DOT
                         if (bfx) {
                             if (g != ub_g || k != ub_k || pa != ub_p) { /* each thread converts its blocks' u once */
-                                u_to_bf16(u + pa * u_stride + k * (u_stride / nmod), u_stride, r, nt_pad(nt), ub);
+                                u_to_bf16(u + pa * u_stride + k * (u_stride / nmod), u_stride, r, nt, ub);
                                 ub_g = g, ub_k = k, ub_p = pa;
                             }
                             expand_block_bf(ub, r, (const uint32_t*)(b + c * blk_elems(r, 1) * esz), out_k[k], c * BC,
