@@ -46,3 +46,16 @@ class KVCache:
     def bytes_per_token(num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
         """Bytes one token slot costs on one rank (K and V, all layers)."""
         return 2 * num_layers * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+def host_memory_available() -> int | None:
+    """Bytes the kernel could still give this process: ``MemAvailable`` plus ``SwapFree`` from /proc/meminfo
+    (None where there is no such file). The CPU KV cache's pages become resident only as tokens are written
+    (``huge_pages.zeros``), so a pool larger than this would not fail when allocated but mid-serving, under the
+    OOM killer; the worker checks it at start-up instead."""
+    try:
+        with open("/proc/meminfo") as f:
+            fields = {k: v for k, _, v in (line.partition(":") for line in f)}
+        return sum(int(fields[k].split()[0]) * 1024 for k in ("MemAvailable", "SwapFree"))
+    except (OSError, KeyError, ValueError, IndexError):
+        return None

@@ -15,7 +15,7 @@ import torch
 
 from gpu_worker import huge_pages
 from gpu_worker.decode_mirror import DecodeKVMirror
-from gpu_worker.kv_cache import KVCache
+from gpu_worker.kv_cache import KVCache, host_memory_available
 from gpu_worker.logprobs import row_logprobs
 from gpu_worker.model import DecodeGroup, LlamaShard, PrefillRow, StepInputs
 from gpu_worker.packed_linear import pack_linears, packing_pays
@@ -128,7 +128,11 @@ class Worker:
         release_freed_memory()
         self.context_len = args.context_length or self.cfg.max_position_embeddings
         cap = kv_capacity_tokens(args, self.cfg, self.plan.num_kv_heads, self.dtype, self.device)
+        need = cap * KVCache.bytes_per_token(self.cfg.num_layers, self.plan.num_kv_heads, self.cfg.head_dim, self.dtype)
         try:
+            avail = host_memory_available() if self.device.type == "cpu" else None
+            if avail is not None and need > avail:  # its pages are taken as tokens are written: refuse it now
+                raise MemoryError(f"{avail / 2**30:.1f} GiB of memory is available")
             self.kv = KVCache(
                 self.cfg.num_layers,
                 cap,
@@ -140,8 +144,6 @@ class Worker:
                 self.device,
             )
         except (RuntimeError, MemoryError) as e:  # CPU allocator or CUDA OOM: say which setting asked for it
-            cfg, heads = self.cfg, self.plan.num_kv_heads
-            need = cap * KVCache.bytes_per_token(cfg.num_layers, heads, cfg.head_dim, self.dtype)
             raise WorkerError(
                 f"the KV cache for {cap} tokens needs {need / 2**30:.1f} GiB on TP rank {rank} ({self.device}) and "
                 f"could not be allocated: lower --max-total-tokens ({type(e).__name__}: {str(e)[:200]})"
