@@ -129,10 +129,9 @@ class Worker:
         self.context_len = args.context_length or self.cfg.max_position_embeddings
         cap = kv_capacity_tokens(args, self.cfg, self.plan.num_kv_heads, self.dtype, self.device)
         need = cap * KVCache.bytes_per_token(self.cfg.num_layers, self.plan.num_kv_heads, self.cfg.head_dim, self.dtype)
+        if self.device.type == "cpu":
+            self._check_kv_fits_host(cap, need)
         try:
-            avail = host_memory_available() if self.device.type == "cpu" else None
-            if avail is not None and need > avail:  # its pages are taken as tokens are written: refuse it now
-                raise MemoryError(f"{avail / 2**30:.1f} GiB of memory is available")
             self.kv = KVCache(
                 self.cfg.num_layers,
                 cap,
@@ -162,6 +161,25 @@ class Worker:
             self.lora = LoraPool(args, self.cfg, self.plan, self.dtype, self.device, group)
         self._gen = torch.Generator(device=self.device)
         self._gen.manual_seed(args.random_seed)
+
+    def _check_kv_fits_host(self, cap: int, need: int) -> None:
+        """Refuse, at start-up, a CPU KV pool that the host's memory cannot hold: its pages are taken only as tokens
+        are written (``huge_pages.zeros``), so it would otherwise fail mid-serving, under the OOM killer. The TP
+        ranks' pools share this host (the launcher starts them all here), so their sum is what must fit in
+        ``MemAvailable`` + ``SwapFree``; every rank computes the same sum. Raises WorkerError."""
+        avail = host_memory_available()
+        host = cap * sum(
+            KVCache.bytes_per_token(self.cfg.num_layers, plan_for_model(self.cfg, self.args.tp_size, r).num_kv_heads,
+                                    self.cfg.head_dim, self.dtype)
+            for r in range(self.args.tp_size)
+        )  # fmt: skip
+        if avail is None or host <= avail:
+            return
+        on_host = f" ({host / 2**30:.1f} GiB with the other TP ranks on this host)" if self.args.tp_size > 1 else ""
+        raise WorkerError(
+            f"the KV cache for {cap} tokens needs {need / 2**30:.1f} GiB on TP rank {self.rank} ({self.device})"
+            f"{on_host}, more than the {avail / 2**30:.1f} GiB of memory available: lower --max-total-tokens"
+        )
 
     def _pack_linears(self, weights: dict, group: object | None) -> bool:
         """Hold the dense half-precision linears in Loom's bf16 GEMM panels (:meth:`_use_bf16_gemm`), else in
