@@ -129,7 +129,7 @@ class Worker:
         self.context_len = args.context_length or self.cfg.max_position_embeddings
         cap = kv_capacity_tokens(args, self.cfg, self.plan.num_kv_heads, self.dtype, self.device)
         need = cap * KVCache.bytes_per_token(self.cfg.num_layers, self.plan.num_kv_heads, self.cfg.head_dim, self.dtype)
-        if self.device.type == "cpu":
+        if self.device.type == "cpu" and epoch == 1:  # a replacement rank's peers hold their pages already
             self._check_kv_fits_host(cap, need)
         try:
             self.kv = KVCache(
@@ -166,7 +166,9 @@ class Worker:
         """Refuse, at start-up, a CPU KV pool that the host's memory cannot hold: its pages are taken only as tokens
         are written (``huge_pages.zeros``), so it would otherwise fail mid-serving, under the OOM killer. The TP
         ranks' pools share this host (the launcher starts them all here), so their sum is what must fit in
-        ``MemAvailable`` + ``SwapFree``; every rank computes the same sum. Raises WorkerError."""
+        ``MemAvailable`` + ``SwapFree``; every rank computes the same sum. Checked at the cluster's first start only:
+        by the time a rank is replaced, its peers' pools hold pages that no longer count as available, and the size
+        was accepted then. Raises WorkerError."""
         avail = host_memory_available()
         host = cap * sum(
             KVCache.bytes_per_token(self.cfg.num_layers, plan_for_model(self.cfg, self.args.tp_size, r).num_kv_heads,
