@@ -109,18 +109,18 @@ def _patch(mod):
         try:
             return timed_step(self, fb)
         finally:
+            took = perf() - t
             mode = "mixed" if any(r.lora_uid for r in fb.reqs) else "base"
-            dec = all(len(r.input_ids) == 1 and r.prefix_len for r in fb.reqs)
+            ndec = sum(1 for r in fb.reqs if len(r.input_ids) == 1 and r.prefix_len)
             kind = "prefill or mixed"
-            if dec:
-                kind = ("decode >= %d rows" % min_rows) if len(fb.reqs) >= min_rows else "decode, fewer rows"
+            if ndec == len(fb.reqs):
+                kind = ("decode >= %d rows" % min_rows) if ndec >= min_rows else "decode, fewer rows"
             c = kinds[mode].setdefault(kind, [0, 0.0])
             c[0] += 1
-            c[1] += perf() - t
-            ndec = sum(1 for r in fb.reqs if len(r.input_ids) == 1 and r.prefix_len)
+            c[1] += took
             ntok = sum(len(r.input_ids) for r in fb.reqs)
             with open(_os.path.join(out_dir, "trace-%d.jsonl" % _os.getpid()), "a") as f:
-                f.write(_json.dumps([mode, len(fb.reqs), ndec, ntok, round((perf() - t) * 1e3, 2)]) + "\\n")
+                f.write(_json.dumps([mode, len(fb.reqs), ndec, ntok, round(took * 1e3, 2)]) + "\\n")
             path = _os.path.join(out_dir, "kinds-%d.json" % _os.getpid())
             with open(path + ".tmp", "w") as f:
                 _json.dump(kinds, f)

@@ -188,6 +188,8 @@ DEFINE_DOTBF2X(5)
 DEFINE_DOTBF2X(6)
 DEFINE_DOTBF2X(7)
 DEFINE_DOTBF2X(8)
+typedef void (*dotbf2x_fn)(const uint16_t*, const uint16_t*, const uint16_t*, int64_t, float*, float*, int64_t);
+static const dotbf2x_fn DOTBF2X[TB + 1] = {0, 0, 0, dotbf2x3, dotbf2x4, dotbf2x5, dotbf2x6, dotbf2x7, dotbf2x8};
 #else
 #define HAVE_BF16_DOT 0
 #endif
@@ -333,15 +335,9 @@ static void shrink_block(const float* xf, int nt, const void* a, int w_bf16, int
         int64_t j = j0;
         if (nt > 2) /* rows in pairs: half the x loads, and the sums reduced 16 at a time */
             for (; j + 1 < j1; j += 2) {
-                const uint16_t *w0 = (const uint16_t*)a + j * in_dim, *w1 = w0 + in_dim;
-                float *u0 = u + p0 * u_stride + j % nmod * rc + j / nmod;
-                float *u1 = u + p0 * u_stride + (j + 1) % nmod * rc + (j + 1) / nmod;
-                if (nt == 8) dotbf2x8(xh, w0, w1, in_dim, u0, u1, u_stride);
-                else if (nt == 7) dotbf2x7(xh, w0, w1, in_dim, u0, u1, u_stride);
-                else if (nt == 6) dotbf2x6(xh, w0, w1, in_dim, u0, u1, u_stride);
-                else if (nt == 5) dotbf2x5(xh, w0, w1, in_dim, u0, u1, u_stride);
-                else if (nt == 4) dotbf2x4(xh, w0, w1, in_dim, u0, u1, u_stride);
-                else dotbf2x3(xh, w0, w1, in_dim, u0, u1, u_stride);
+                const uint16_t* w0 = (const uint16_t*)a + j * in_dim;
+                DOTBF2X[nt](xh, w0, w0 + in_dim, in_dim, u + p0 * u_stride + j % nmod * rc + j / nmod,
+                            u + p0 * u_stride + (j + 1) % nmod * rc + (j + 1) / nmod, u_stride);
             }
         for (; j < j1; j++) {
             const uint16_t* w = (const uint16_t*)a + j * in_dim;
@@ -561,6 +557,8 @@ DEFINE_AXPYBF(5)
 DEFINE_AXPYBF(6)
 DEFINE_AXPYBF(7)
 DEFINE_AXPYBF(8)
+typedef void (*axpybf_fn)(const uint16_t*, int64_t, const uint32_t*, void*, const int64_t*, int, int, int64_t);
+static const axpybf_fn AXPYBF[TB + 1] = {0, axpybf1, axpybf2, axpybf3, axpybf4, axpybf5, axpybf6, axpybf7, axpybf8};
 
 /* the vdpbf16ps expand of one column block: out rows tok[p0..p0+nt), columns col + o0 .. */
 static void expand_block_bf(const uint16_t* ub, int64_t r, const uint32_t* blk, int64_t out_k, int64_t o0, int nt,
@@ -569,16 +567,7 @@ static void expand_block_bf(const uint16_t* ub, int64_t r, const uint32_t* blk, 
     for (int t = 0; t < nt; t++) offs[t] = tok[p0 + t] * out_stride + col + o0;
     int64_t ow = out_k - o0 < BC ? out_k - o0 : BC;
     /* the block's exact token count (a block of 7 padded to 8 spent an eighth of its arithmetic on nothing) */
-    switch (nt) {
-    case 8: axpybf8(ub, r, blk, out, offs, 1, nt, ow); break;
-    case 7: axpybf7(ub, r, blk, out, offs, 1, nt, ow); break;
-    case 6: axpybf6(ub, r, blk, out, offs, 1, nt, ow); break;
-    case 5: axpybf5(ub, r, blk, out, offs, 1, nt, ow); break;
-    case 4: axpybf4(ub, r, blk, out, offs, 1, nt, ow); break;
-    case 3: axpybf3(ub, r, blk, out, offs, 1, nt, ow); break;
-    case 2: axpybf2(ub, r, blk, out, offs, 1, nt, ow); break;
-    default: axpybf1(ub, r, blk, out, offs, 1, nt, ow);
-    }
+    AXPYBF[nt](ub, r, blk, out, offs, 1, nt, ow);
 }
 #endif
 
