@@ -205,6 +205,17 @@ def _opened_path(fd: int, path: Path, st: os.stat_result) -> Path | None:
         return real if (same.st_dev, same.st_ino) == (st.st_dev, st.st_ino) else None
 
 
+def _check_weights_file(folder: Path, name: str) -> None:
+    """Raise LoraConfigError unless ``folder/adapter_model.safetensors`` is a regular file."""
+    path = folder / WEIGHTS_FILE
+    if path.is_file():
+        return
+    if path.exists():
+        raise LoraConfigError(f"LoRA adapter {name}: {path} is not a regular file")
+    extra = " (.bin/pickle weights are never opened)" if (folder / "adapter_model.bin").exists() else ""
+    raise LoraConfigError(f"LoRA adapter {name}: {path} is missing{extra}")
+
+
 def read_adapter_config(
     folder: str | Path,
     name: str,
@@ -232,11 +243,6 @@ def read_adapter_config(
     if not cfg_path.is_file():
         what = "is not a regular file" if cfg_path.exists() else "is missing"
         raise LoraConfigError(f"LoRA adapter {name}: {cfg_path} {what}")
-    if not (d / WEIGHTS_FILE).is_file():
-        if (d / WEIGHTS_FILE).exists():
-            raise LoraConfigError(f"LoRA adapter {name}: {d / WEIGHTS_FILE} is not a regular file")
-        extra = " (.bin/pickle weights are never opened)" if (d / "adapter_model.bin").exists() else ""
-        raise LoraConfigError(f"LoRA adapter {name}: {d / WEIGHTS_FILE} is missing{extra}")
     try:
         raw = json.loads((read_adapter_file(d, CONFIG_FILE, name) if raw_bytes is None else raw_bytes).decode())
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -328,6 +334,9 @@ def read_adapter_config(
             raise LoraConfigError(f"LoRA adapter {name}: {CONFIG_FILE} field {field} must map patterns to {what} > 0")
         for key in pat:
             _compile(name, field, rf"(.*\.)?(?:{key})")
+    # checked after the config, so that a folder with a broken config and no weights names the config first:
+    # the file the user has and must fix before the weights matter
+    _check_weights_file(d, name)
     return LoraAdapterConfig(
         name=name,
         r=r,

@@ -215,3 +215,15 @@ def test_a_folder_or_fifo_in_place_of_a_file_is_named_as_such(tmp_path):
     os.mkfifo(folder / "adapter_config.json")
     with pytest.raises(LoraConfigError, match="adapter_config.json is not a regular file"):
         read_adapter_config(folder, "ad")
+
+
+def test_a_broken_config_is_named_before_missing_weights(tmp_path):
+    """A folder whose config is broken and whose weights are missing names the config first (the file to fix)."""
+    folder = write_adapter(tmp_path / "a", r=8, targets=["q_proj"])
+    (folder / "adapter_model.safetensors").unlink()
+    (folder / "adapter_config.json").write_text("{not json")
+    with pytest.raises(LoraConfigError, match="adapter_config.json is not valid JSON"):
+        read_adapter_config(folder, "a")
+    (folder / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 8, "target_modules": ["q_proj"]}))
+    with pytest.raises(LoraConfigError, match="adapter_model.safetensors is missing"):
+        read_adapter_config(folder, "a")
