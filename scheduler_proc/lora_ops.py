@@ -11,6 +11,7 @@ import time
 from dataclasses import dataclass, field
 
 from ipc.messages import LoraLoadCmd, LoraOpAck, LoraOpResult, LoraUnloadCmd, WorkerLoraLoad, WorkerLoraUnload
+from scheduler_proc.scheduler import AdapterState
 
 
 @dataclass(frozen=True)
@@ -104,6 +105,16 @@ class LoraOps:
     def pending_pins(self) -> set[str]:
         """uids of pinned loads not yet answered by every rank."""
         return {op.cmd.uid for op in self.pending.values() if isinstance(op.cmd, LoraLoadCmd) and op.cmd.pinned}
+
+    def state(self) -> AdapterState:
+        """The adapters as the scheduler must see them (see :class:`AdapterState`)."""
+        return AdapterState(
+            loaded={u: (a.name, a.rows) for u, a in self.loaded.items()},
+            pinned=frozenset(u for u, a in self.loaded.items() if a.pinned),
+            loading=frozenset(self.loading()),
+            reserved_pins=frozenset(self.pending_pins()),
+            unloading=frozenset(op.cmd.uid for op in self.pending.values() if isinstance(op.cmd, LoraUnloadCmd)),
+        )
 
     def on_ack(self, ack: LoraOpAck) -> tuple[LoraOpResult | None, list[WorkerLoraUnload]]:
         """Record an ack. When all ranks answered, return the result and any rollback messages."""

@@ -197,7 +197,7 @@ class SchedulerLoop:
             complete, loads = self.recovery.on_ready(self.ready[rank], self.ops.loaded, self.ops.next_internal_id)
             for m in loads:
                 self._broadcast(m)
-        self._sync_pins()
+        self.sched.set_adapters(self.ops.state())
         self._send_view()
 
     def _pool_rows(self, epoch: int | None = None) -> int:
@@ -250,10 +250,9 @@ class SchedulerLoop:
             self._emit(s.abort(msg.rid, msg.reason))
         elif isinstance(msg, LoraLoadCmd):
             self.ops.start(msg)
-            self._sync_pins()
+            self.sched.set_adapters(self.ops.state())
         elif isinstance(msg, LoraUnloadCmd):
-            s.blocked_uids.add(msg.uid)
-            s.drop_adapter(msg.uid)  # its cached KV is never reused, even if the unload fails
+            s.block_adapter(msg.uid)
             self.ops.start(msg)
         elif isinstance(msg, LoraSlotsQuery):
             self._to_front(LoraOpResult(msg.op_id, True, slots=self._slot_tables()))
@@ -319,7 +318,7 @@ class SchedulerLoop:
             for m in rollback:
                 self._broadcast(m)
             if result is not None:
-                self._sync_pins()
+                self.sched.set_adapters(self.ops.state())
                 if msg.op_id in self.orphan_ops:  # a dead front door's command changed the workers: say so
                     self.orphan_ops.discard(msg.op_id)
                     self._send_view()
@@ -346,9 +345,9 @@ class SchedulerLoop:
                 continue
             del self.ops.pending[op_id]
             if isinstance(op.cmd, LoraUnloadCmd):
-                s.blocked_uids.discard(op.cmd.uid)
+                s.unblock_adapter(op.cmd.uid)
             log.warning("front door restarted: cancelled its unsent LoRA command %s", op.cmd)
-        self._sync_pins()
+        self.sched.set_adapters(self.ops.state())
 
     # ------------------------------------------------------------------ TP group replacement
     def _group_lost(self, epoch: int, cause: str, process: str = "gpu_worker") -> None:
@@ -404,7 +403,7 @@ class SchedulerLoop:
         for lost in outcome.lost:
             log.error("LoRA adapter %s (uid %s) could not be restored: %s", lost.name, lost.uid, lost.reason)
             self.ops.forget(lost.uid)
-        self._sync_pins()
+        self.sched.set_adapters(self.ops.state())
         names = sorted(a.name for a in self.ops.loaded.values())
         for lost in outcome.lost:
             self._emit(self.sched.fail_adapter(lost.uid, never_loaded_message(lost.name, names)))
@@ -429,20 +428,6 @@ class SchedulerLoop:
             )
         )
         self.resumed = 0
-
-    def _sync_pins(self) -> None:
-        s = self.sched
-        s.pinned_uids = {u for u, p in self.ops.pinned.items() if p}
-        s.loaded_uids = set(self.ops.loaded)
-        s.adapter_rows = {u: a.rows for u, a in self.ops.loaded.items() if a.rows}
-        s.adapter_names = {u: a.name for u, a in self.ops.loaded.items()}
-        s.loading_uids = self.ops.loading()
-        for uid in s.loaded_uids & set(s.lost_uids):  # loaded again since it was lost
-            del s.lost_uids[uid]
-        s.reserved_pins = self.ops.pending_pins()
-        s.blocked_uids &= set(self.ops.loaded) | {
-            c.cmd.uid for c in self.ops.pending.values() if isinstance(c.cmd, LoraUnloadCmd)
-        }
 
     def _finish_step(self) -> None:
         results, self.results = self.results, {}

@@ -116,6 +116,23 @@ class StopStringMatcher:
         return None
 
 
+@dataclass(frozen=True)
+class AdapterState:
+    """What the scheduler's LoRA operations know of the ranks' adapters, handed to :meth:`Scheduler.set_adapters`
+    whole after every change (so the scheduler owns its copy and nothing else writes its fields).
+
+    ``loaded``: uid -> (name, rank rows; 0 = unknown) of adapters every rank holds; ``pinned``: those pinned;
+    ``loading``: uids with a load (or restore) under way; ``reserved_pins``: pinned loads not yet confirmed by
+    every rank (their rows are reserved from arrival); ``unloading``: uids with an unload waiting or under way.
+    """
+
+    loaded: Mapping[str, tuple[str, int]]
+    pinned: frozenset[str] = frozenset()
+    loading: frozenset[str] = frozenset()
+    reserved_pins: frozenset[str] = frozenset()
+    unloading: frozenset[str] = frozenset()
+
+
 @dataclass
 class Req:
     """A request's scheduler-side state."""
@@ -610,6 +627,31 @@ class Scheduler:
         r.slots, r.reserved, r.cache_node, r.cached = [], 0, None, 0
 
     # ------------------------------------------------------------------ prefix cache
+    def set_adapters(self, state: AdapterState) -> None:
+        """Take the ranks' adapter state (the process loop's LoRA operations call this after every change).
+
+        An adapter loaded again since a restart lost it is no longer refused, and an adapter is blocked only
+        while its unload is pending (a cancelled or finished unload unblocks it)."""
+        self.loaded_uids = set(state.loaded)
+        self.adapter_names = {u: name for u, (name, _) in state.loaded.items()}
+        self.adapter_rows = {u: rows for u, (_, rows) in state.loaded.items() if rows}
+        self.pinned_uids = set(state.pinned)
+        self.loading_uids = set(state.loading)
+        self.reserved_pins = set(state.reserved_pins)
+        for uid in self.loaded_uids & set(self.lost_uids):
+            del self.lost_uids[uid]
+        self.blocked_uids &= self.loaded_uids | state.unloading
+
+    def block_adapter(self, uid: str) -> None:
+        """An unload of ``uid`` arrived: refuse new requests for it and forget its cached KV now (never reused,
+        even if the unload then fails)."""
+        self.blocked_uids.add(uid)
+        self.drop_adapter(uid)
+
+    def unblock_adapter(self, uid: str) -> None:
+        """The unload of ``uid`` was cancelled before it reached the ranks: accept its requests again."""
+        self.blocked_uids.discard(uid)
+
     def drop_adapter(self, uid: str) -> int:
         """Adapter ``uid`` is being unloaded (or is lost): forget its cached KV. Requests still reading some of
         it keep it until they finish; nothing of it is ever matched again. Returns slots freed now."""

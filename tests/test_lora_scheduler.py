@@ -17,7 +17,7 @@ from ipc.messages import (
     WorkerLoraLoad,
     WorkerLoraUnload,
 )
-from scheduler_proc.lora_ops import LoraOps
+from scheduler_proc.lora_ops import LoadedAdapter, LoraOps
 from scheduler_proc.scheduler import Scheduler
 
 _ids = itertools.count()
@@ -162,7 +162,7 @@ def test_unloading_adapter_blocks_new_requests_and_waits_for_in_flight_ones():
     s = make_sched(slots=2)
     add(s, "a", new_tokens=2)
     step(s)
-    s.blocked_uids.add("a")
+    s.block_adapter("a")  # what the loop does on LoraUnloadCmd
     outs = s.add(TokenizedReq("late", [5], SamplingParams(max_new_tokens=2), "a"))
     assert outs and outs[0].finished and "LoRA adapter a is being unloaded" in outs[0].error
     ops = LoraOps(tp_size=1)
@@ -225,9 +225,11 @@ def test_pinned_load_waits_until_running_adapters_fit(tmp_path):
     only when the running requests' adapters fit in the slots left; every step keeps working."""
     s, pool = _pin_harness(tmp_path)
     ops = LoraOps(tp_size=1)
+    for u in ("a", "b", "c"):  # what every rank acked already (rows unknown: each counts a whole slot)
+        ops.loaded[u] = LoadedAdapter(u, u, str(tmp_path / u), False, "hash")
     _pool_step(s, pool)
     ops.start(LoraLoadCmd(1, "p", "p", str(tmp_path / "p"), pinned=True))
-    s.reserved_pins = ops.pending_pins()  # as SchedulerLoop.on_front does
+    s.set_adapters(ops.state())  # as SchedulerLoop.on_front does
     add(s, "c")  # a third adapter must not sneak into the reserved slot
     sent_when_running = []
     for _ in range(20):
@@ -235,8 +237,7 @@ def test_pinned_load_waits_until_running_adapters_fit(tmp_path):
             pool.load(m.uid, m.name, m.path, m.pinned)
             result, _ = ops.on_ack(LoraOpAck(m.op_id, 0, True))
             assert result.ok
-            s.pinned_uids = {u for u, p in ops.pinned.items() if p}
-            s.reserved_pins = ops.pending_pins()
+            s.set_adapters(ops.state())
             sent_when_running.append(sorted(r.lora_uid for r in s.running.values()))
         if not s.has_work:
             break
@@ -271,3 +272,39 @@ def test_zipf_traffic_rows_are_bounded_by_slots_not_by_concurrency():
     _, rows_rank16, _ = simulate(a, 1000, 8, 16)
     _, rows_rank64, _ = simulate(a, 1000, 8, 64)
     assert rows_many8 < rows_rank16 < 32.0 and rows_rank64 == 32.0, (rows_many8, rows_rank16)
+
+
+def test_the_scheduler_takes_the_adapter_state_whole_from_the_lora_ops():
+    """set_adapters is the one way the loop changes the scheduler's adapter fields: an unload blocks its
+    adapter's new requests until the unload is done or cancelled, and an adapter a restart lost is served again
+    once it is loaded again."""
+    s = make_sched(slots=2)
+    ops = LoraOps(tp_size=1)
+    ops.start(LoraLoadCmd(1, "uid-a", "a", "/a"))
+    s.set_adapters(ops.state())
+    assert s.loading_uids == {"uid-a"} and s.loaded_uids == set()
+    ops.ready_to_send(lambda _u: False)
+    assert ops.on_ack(LoraOpAck(1, 0, True, rows=8))[0].ok
+    s.set_adapters(ops.state())
+    assert s.loaded_uids == {"uid-a"} and s.adapter_rows == {"uid-a": 8} and s.adapter_names == {"uid-a": "a"}
+    assert not s.add(TokenizedReq("r1", [5], SamplingParams(max_new_tokens=2), "uid-a"))  # admitted
+
+    s.block_adapter("uid-a")  # an unload arrives while r1 runs
+    ops.start(LoraUnloadCmd(2, "uid-a"))
+    s.set_adapters(ops.state())  # any other change in between keeps it blocked: its unload is pending
+    (out,) = s.add(TokenizedReq("r2", [5], SamplingParams(max_new_tokens=2), "uid-a"))
+    assert out.finished and "LoRA adapter a is being unloaded" in out.error
+    del ops.pending[2]  # cancelled before it was sent (a front door restart)
+    s.unblock_adapter("uid-a")
+    s.set_adapters(ops.state())
+    assert not s.add(TokenizedReq("r3", [5], SamplingParams(max_new_tokens=2), "uid-a"))
+
+    s.fail_adapter("uid-b", "LoRA adapter b has never been loaded")  # a restart could not restore b
+    (out,) = s.add(TokenizedReq("r4", [5], SamplingParams(max_new_tokens=2), "uid-b"))
+    assert "never been loaded" in out.error
+    ops.start(LoraLoadCmd(3, "uid-b", "b", "/b"))
+    ops.ready_to_send(lambda _u: False)
+    assert ops.on_ack(LoraOpAck(3, 0, True))[0].ok
+    s.set_adapters(ops.state())
+    assert "uid-b" not in s.lost_uids and s.adapter_rows == {"uid-a": 8}  # b's rows unknown: a whole slot
+    assert not s.add(TokenizedReq("r5", [5], SamplingParams(max_new_tokens=2), "uid-b"))

@@ -143,8 +143,7 @@ def test_unload_drops_the_adapters_nodes_and_blocks_inserts():
     s.add(req("a", prompt, max_new=4, uid="uid-A"))
     step(s)  # prefilled: the prompt is cached and locked by "a"
     assert s.cache.cached_tokens == 20
-    s.blocked_uids.add("uid-A")  # what the loop does on LoraUnloadCmd
-    s.drop_adapter("uid-A")
+    s.block_adapter("uid-A")  # what the loop does on LoraUnloadCmd
     run_all(s)
     assert s.cache.cached_tokens == 0 and s.kv.slots.num_free == 1000
     s.blocked_uids.clear()

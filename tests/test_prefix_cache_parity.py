@@ -144,10 +144,9 @@ def test_adapters_never_share_cached_kv(tmp_path):
     assert got["B"]["cached"] == 0 and got["B"]["ids"] == want("r16-attn")
     assert got["base"]["cached"] == 0 and got["base"]["ids"] == want("base")
     # unload A (what scheduler_proc.main does on LoraUnloadCmd), load r32-qv's folder under A's old name
-    sched.blocked_uids.add("uid-A1")
-    sched.drop_adapter("uid-A1")
+    sched.block_adapter("uid-A1")
     worker.lora.unload("uid-A1")
-    sched.blocked_uids.discard("uid-A1")
+    sched.unblock_adapter("uid-A1")
     worker.lora.load("uid-A2", "r8-all", str(folders["r32-qv"]))
     sched.loaded_uids = {"uid-A2", "uid-B"}
     got = drive(worker, sched, [[greedy_req("A2", ids, "uid-A2", n)]])

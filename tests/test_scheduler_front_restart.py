@@ -33,7 +33,7 @@ def make_loop(tmp_path) -> tuple[SchedulerLoop, list, list, zmq.Context]:
     loop = SchedulerLoop(ServerArgs(model_path="/nonexistent", endpoints=ep, enable_lora=True), ctx)
     loop.sched = Scheduler(max_running=8, kv_capacity=1000, context_len=512, eos_ids=[2])
     loop.ops.loaded["ua"] = LoadedAdapter("ua", "a", "/p/a", False, "h")
-    loop._sync_pins()
+    loop.sched.set_adapters(loop.ops.state())
     to_front: list = []
     to_workers: list = []
     loop._to_front = to_front.append
@@ -111,7 +111,7 @@ def test_requests_queued_for_an_adapter_whose_load_fails_end_with_the_never_load
         send(loop, FrontDoorHello("front-1"))
         send(loop, LoraLoadCmd(9, "ub", "b", "/p/b"))
         loop.ops.ready_to_send(loop.sched.uses_adapter)
-        loop._sync_pins()
+        loop.sched.set_adapters(loop.ops.state())
         assert loop.sched.add(TokenizedReq("r1", [5, 6], SamplingParams(max_new_tokens=4), "ub")) == []
         to_front.clear()
         loop.on_worker(loop.worker_in.encode(LoraOpAck(9, 0, False, error="adapter_model.safetensors: truncated")))
