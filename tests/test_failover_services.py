@@ -68,6 +68,15 @@ def wait_healthy(port: int, timeout_s: float = 60) -> None:
     raise AssertionError("the front door did not come back")
 
 
+def http_post(port: int, path: str, body: dict) -> tuple[int, str]:
+    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", json.dumps(body).encode(), method="POST")
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
 def restarts_besides_a_split(h, port: int) -> dict[str, float]:
     """``loom_process_restarts`` without the TP group's replacement when a scheduler died between its sends of one
     step (a rank stuck in that step's all-reduce is found and the group replaced; any kill of the scheduler
@@ -240,6 +249,46 @@ def test_a_killed_launcher_leaves_nothing_behind(tmp_path, model_path, mode):
     assert float(facts["took"]) < 2.0, p.stdout
     assert facts["sockdir"] == "False" and facts["front"] == "False", p.stdout
     assert not (set(os.listdir("/dev/shm")) - shm_before)
+
+
+def test_a_lora_load_cut_short_by_a_front_door_restart_is_answered_then_adopted(tmp_path):
+    """A load waiting on a stopped worker when the front door is restarted (SIGTERM) gets a JSON 503 at once,
+    not a bare 500 after uvicorn's grace period (found by a new-user trial); the ranks finish the load later,
+    and the new front door adopts the adapter, which then serves (under the uid the ranks hold)."""
+    ad = real_adapters()
+    port = free_tcp_port()
+    flags = ["--max-total-tokens", "2048", "--enable-lora", "--max-lora-rank", "32", "--http-port", str(port)]
+    flags += ["--lora-paths", f"a={ad['r8-all']}"]
+    with launch_cluster(tmp_path / "cluster", *flags) as h:
+        _find_children(h)
+        worker, front = h.children["gpu_worker[0]"], h.children["tokenizer_proc"]
+        answer: dict[str, object] = {}
+
+        def load() -> None:
+            t0 = time.monotonic()
+            answer["reply"] = http_post(port, "/load_lora_adapter", {"lora_name": "z", "lora_path": str(ad["r32-qv"])})
+            answer["took"] = time.monotonic() - t0
+
+        os.kill(worker, signal.SIGSTOP)  # the load cannot finish
+        try:
+            t = threading.Thread(target=load)
+            t.start()
+            time.sleep(0.5)
+            os.kill(front, signal.SIGTERM)  # restarts the front door alone
+            t.join(30)
+        finally:
+            os.kill(worker, signal.SIGCONT)
+        status, body = answer["reply"]
+        assert status == 503 and answer["took"] < 4.0, (answer, h.log()[-3000:])
+        assert "z: the load was cut short (the front door is restarting)" in json.loads(body)["error"]["message"]
+        wait_healthy(port)
+        deadline = time.monotonic() + 20
+        while "z" not in adapter_uids(h.endpoint) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert sorted(adapter_uids(h.endpoint)) == ["a", "z"], h.log()[-3000:]
+        with LoomClient(h.endpoint) as c:
+            out = c.generate("Hi", sampling_params={"max_new_tokens": 2, "temperature": 0}, lora_path="z")
+        assert out["meta_info"]["completion_tokens"] == 2
 
 
 def test_every_child_killed_at_once_keeps_the_adapters_under_their_uids(tmp_path):

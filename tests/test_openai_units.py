@@ -245,6 +245,54 @@ def test_front_door_passes_logprobs_through_and_refuses_while_draining(model_pat
     asyncio.run(run())
 
 
+def test_lora_calls_in_flight_are_answered_when_the_front_door_stops(model_path) -> None:
+    """A load waiting for the scheduler when the front door stops ends at once with ServerStopping (HTTP 503),
+    and nothing is sent to undo it (the next front door adopts what the ranks then hold); later calls, and
+    calls during a drain, are refused the same way."""
+    from lora_helpers import real_adapters
+
+    from ipc.messages import LoraLoadCmd, LoraUnloadCmd
+    from tokenizer_proc.front_door import FrontDoor
+    from tokenizer_proc.registry import ServerStopping
+
+    path = str(real_adapters()["r8-all"])
+
+    async def run() -> None:
+        sent: list[object] = []
+        door = FrontDoor(make_args(model_path, enable_lora=True), sent.append)
+        load = asyncio.ensure_future(door.load_adapter("z", path))
+        while not any(isinstance(m, LoraLoadCmd) for m in sent):
+            await asyncio.sleep(0.01)
+        door.lora.interrupt("the front door is restarting")
+        with pytest.raises(ServerStopping, match=r"z: the load was cut short \(the front door is restarting\)"):
+            await asyncio.wait_for(load, 5)
+        assert not any(isinstance(m, LoraUnloadCmd) for m in sent) and door.registry.state("z") == "gone"
+        with pytest.raises(ServerStopping, match="not loaded or unloaded now"):
+            await door.load_adapter("y", path)
+
+        drained = FrontDoor(make_args(model_path, enable_lora=True), sent.append)
+        drained.begin_drain("Loom is shutting down")
+        for call in (drained.load_adapter("y", path), drained.unload_adapter("y")):
+            with pytest.raises(ServerStopping, match="Loom is shutting down: LoRA adapters are not loaded"):
+                await call
+
+    asyncio.run(run())
+
+
+def test_the_eviction_counter_never_goes_back_across_a_front_door_restart() -> None:
+    """A restarted front door shows the previous one's total until the scheduler's first beat says how much of it
+    that scheduler still counts (/health may be 200 before it: a scrape then must not read a counter reset)."""
+    h = ClusterHealth()
+    h.restore_evictions(5, "s1", 3)
+    assert h.slot_evictions == 5
+    h.on_beat(SchedulerBeat("s1", 1, slot_evictions=4))  # the same scheduler counted one more since
+    assert h.slot_evictions == 6
+    h = ClusterHealth()
+    h.restore_evictions(5, "s1", 3)
+    h.on_beat(SchedulerBeat("s2", 1, slot_evictions=0))  # a new scheduler: all 5 are history
+    assert h.slot_evictions == 5
+
+
 # ----------------------------------------------------------------------------- health bookkeeping
 
 

@@ -439,8 +439,9 @@ class FrontDoor:
         self.health.on_beat(beat)
 
     def begin_drain(self, reason: str) -> None:
-        """Stop admitting requests (they get ``unavailable``); those in flight go on."""
+        """Stop admitting requests and LoRA loads/unloads (they get ``unavailable``); those in flight go on."""
         self.health.draining = reason
+        self.lora.refuse_changes(reason)
 
     @property
     def in_flight(self) -> int:

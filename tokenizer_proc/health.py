@@ -61,8 +61,12 @@ class ClusterHealth:
 
     @property
     def slot_evictions(self) -> int:
-        """Adapters evicted from a slot since the front door started (across scheduler restarts)."""
-        return self.evictions_before + (self.beat.slot_evictions if self.beat is not None else 0)
+        """Adapters evicted from a slot since the cluster started (across scheduler and front door restarts).
+        Before a restarted front door's first heartbeat it is the previous front door's total, which the first
+        heartbeat can only raise: /health may say 200 before that beat, and a scrape then must not see a reset."""
+        if self.beat is None:
+            return self._restored[0] if self._restored is not None else self.evictions_before
+        return self.evictions_before + self.beat.slot_evictions
 
     def problem(self) -> str | None:
         """Why the cluster cannot serve now, or None when the scheduler and every TP rank answered recently."""

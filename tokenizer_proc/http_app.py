@@ -52,7 +52,7 @@ from tokenizer_proc.http_io import (
     sse_event,
 )
 from tokenizer_proc.metrics import CONTENT_TYPE
-from tokenizer_proc.registry import AdapterRefused, UnknownAdapter
+from tokenizer_proc.registry import AdapterRefused, ServerStopping, UnknownAdapter
 
 log = logging.getLogger("tokenizer.http")
 HEALTH_GENERATE_TIMEOUT_S = 20.0
@@ -188,6 +188,8 @@ class NativeRoutes:
             raise HttpError(400, str(e)) from None
         except UnknownAdapter as e:
             raise HttpError(404, str(e)) from None
+        except ServerStopping as e:  # draining or stopping, as generation requests are told then
+            raise HttpError(503, str(e)) from None
         except RuntimeError as e:
             raise HttpError(500, str(e)) from None
         if not out.ok:

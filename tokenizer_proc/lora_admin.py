@@ -39,7 +39,14 @@ from ipc.messages import (
     LoraUnloadCmd,
     LostAdapter,
 )
-from tokenizer_proc.registry import AdapterRefused, IllegalTransition, Kind, LoraRegistry, Transition
+from tokenizer_proc.registry import (
+    AdapterRefused,
+    IllegalTransition,
+    Kind,
+    LoraRegistry,
+    ServerStopping,
+    Transition,
+)
 from tokenizer_proc.registry_journal import JOURNAL_FILE, RegistryJournal, RegistrySnapshot
 from tokenizer_proc.validate import BadRequest
 
@@ -89,6 +96,7 @@ class LoraAdmin:
         self.journal = RegistryJournal(Path(folder) / JOURNAL_FILE if folder else None)
         self.registry.on_change = lambda: self.journal.save(self.registry.snapshot())
         self._carried: RegistrySnapshot | None = None  # a restarted front door's journal until its first view
+        self.stopping: str | None = None  # why loads and unloads are refused (draining or stopping)
 
     def seed_from_journal(self) -> None:
         """A restarted front door, before its first cluster view: keep the previous incarnation's settled adapters
@@ -161,6 +169,24 @@ class LoraAdmin:
         """The workers may hold ``uid`` although the registry no longer tracks it: unload it."""
         self._fire(lambda op: LoraUnloadCmd(op, uid), f"unloading stray LoRA adapter {name} (uid {uid})")
 
+    def refuse_changes(self, why: str) -> None:
+        """Refuse every later load and unload with ServerStopping(``why``) (a drain or shutdown began)."""
+        self.stopping = why
+
+    def interrupt(self, why: str) -> None:
+        """This front door stops now: refuse later loads and unloads and end the ones waiting for the scheduler
+        with ServerStopping, so their callers get an answer before the connections close. Nothing is sent to
+        undo them: a command the ranks already have may still finish, and the next front door adopts what the
+        workers then hold (a dying front door must not change the workers behind its successor's back)."""
+        self.refuse_changes(why)
+        for fut in self._ops.values():
+            if not fut.done():
+                fut.set_exception(ServerStopping(why))
+
+    def _check_not_stopping(self) -> None:
+        if self.stopping is not None:
+            raise ServerStopping(f"{self.stopping}: LoRA adapters are not loaded or unloaded now")
+
     def on_op_result(self, msg: LoraOpResult) -> None:
         """Complete the waiting load/unload/list call."""
         fut = self._ops.get(msg.op_id)
@@ -213,6 +239,12 @@ class LoraAdmin:
         started = time.monotonic()
         try:
             res = await self._op(lambda op: LoraLoadCmd(op, t.uid, name, t.path, t.pinned))
+        except ServerStopping as e:  # the ranks may load it yet: the next front door adopts it then
+            self.registry.finish_load(name, ok=False)
+            err = ServerStopping(f"LoRA adapter {name}: the load was cut short ({e}); the ranks may still load it: "
+                                 "list the adapters once the server answers again")  # fmt: skip
+            self._settled(name, err)
+            raise err from None
         except RuntimeError as e:  # no answer: the ranks may still load it later, so unload it after all
             self.registry.finish_load(name, ok=False)
             self._unload_stray(t.uid, name)
@@ -242,6 +274,9 @@ class LoraAdmin:
         try:
             res = await self._op(lambda op: LoraUnloadCmd(op, t.uid))
             error = None if res.ok else res.error
+        except ServerStopping as e:  # no stray unload sent: the next front door adopts what the ranks hold
+            raise ServerStopping(f"LoRA adapter {name}: the unload was cut short ({e}); list the adapters once the "
+                                 "server answers again") from None  # fmt: skip
         except RuntimeError as e:
             error = str(e)
         finally:
@@ -285,6 +320,7 @@ class LoraAdmin:
         """
         if not self.args.enable_lora:
             raise AdapterRefused("LoRA is not enabled: start the server with --enable-lora")
+        self._check_not_stopping()
         await self._wait_for_cluster_work(name, "load")
         if self.registry.state(name) == "loaded":
             raise AdapterRefused(f"LoRA adapter {name} is already loaded; unload it first")
@@ -301,6 +337,7 @@ class LoraAdmin:
         """
         if not name.strip():  # as a load of that name is refused (400), not a never-loaded 404
             raise AdapterRefused("LoRA adapter name is empty: name the adapter to unload")
+        self._check_not_stopping()
         await self._wait_for_cluster_work(name, "unload")
         st = self.registry.state(name)
         if st == "gone":

@@ -69,7 +69,7 @@ from ipc.sockets import (
     ready,
 )
 from tokenizer_proc.front_door import FrontDoor
-from tokenizer_proc.registry import AdapterRefused, UnknownAdapter
+from tokenizer_proc.registry import AdapterRefused, ServerStopping, UnknownAdapter
 
 log = logging.getLogger("tokenizer")
 SERVER_CODEC: Codec = Codec(ServerMsg)
@@ -379,6 +379,8 @@ class FrontDoorServer:
                 sink.send(AdminOut(down is None, down or "ok", {"running": len(self.door.pending)}))
         except AdapterRefused as e:
             sink.send(AdminOut(False, str(e), kind="bad_request"))
+        except ServerStopping as e:  # draining or stopping: as generation requests are told then
+            sink.send(AdminOut(False, str(e), kind="unavailable"))
         except UnknownAdapter as e:  # the kind the HTTP API's 404 carries
             sink.send(AdminOut(False, str(e), kind="not_found"))
         except Exception as e:  # noqa: BLE001 - a handler bug answers this client, the server stays up
@@ -527,7 +529,10 @@ class FrontDoorServer:
         # SIGTERM to this process alone must restart only the front door, not cascade through the cluster. Only
         # when the cluster goes away are in-flight requests told so; otherwise the launcher restarts this front
         # door and the clients resubmit them
-        if self.drained or cluster_stopping(self.args):
+        stopping = self.drained or cluster_stopping(self.args)
+        # LoRA calls waiting for the scheduler are answered too (HTTP 503), before the connections close
+        self.door.lora.interrupt("server shutting down" if stopping else "the front door is restarting")
+        if stopping:
             self.door.fail_all("server shutting down")
         else:  # ZMQ clients resubmit to the restarted front door; an HTTP client can only be told to retry
             self.door.fail_all(

@@ -50,6 +50,11 @@ class AdapterRefused(ValueError):
     """A load was refused before it reached the workers (bad path, outside --lora-root, bad config)."""
 
 
+class ServerStopping(RuntimeError):
+    """A load or unload was cut short, or refused, because this front door is draining, stopping or restarting
+    (HTTP 503, ZMQ kind ``unavailable``): the ranks may still finish a command already sent."""
+
+
 class IllegalTransition(RuntimeError):
     """A caller asked for a state change the name's current state does not allow (a bug, never a user error)."""
 
