@@ -82,6 +82,33 @@ def test_neutral_values_of_unimplemented_fields_are_accepted() -> None:
     assert oa.chat_messages(req) == [{"role": "system", "content": "a\nb"}]
 
 
+@pytest.mark.parametrize("typ", [oa.ChatCompletionRequest, oa.CompletionRequest], ids=["chat", "completions"])
+def test_null_is_every_optional_fields_default(typ) -> None:
+    """OpenAI's schema types optional fields ``T | null``, and SDKs and proxies send unset ones as null (a new-user
+    trial found ``logprobs``, ``stream``, ``echo`` and ``metadata`` refused)."""
+    required = {
+        "model": "m",
+        **({"messages": CHAT["messages"]} if typ is oa.ChatCompletionRequest else {"prompt": "hi"}),
+    }
+    optional = [f.encode_name for f in msgspec.structs.fields(typ) if f.encode_name not in required]
+    assert {"logprobs", "stream", "n", "ignore_eos"} <= set(optional)
+    req = oa.decode_request(json.dumps({**required, **dict.fromkeys(optional)}).encode(), typ)
+    plain = oa.decode_request(json.dumps(required).encode(), typ)
+    assert req == plain
+    oa.check_supported(req)
+
+
+def test_a_full_queue_and_a_drain_have_their_own_503_codes() -> None:
+    """Both are 503s, but a client retries a full queue soon and a draining server elsewhere: OpenAI's ``code``
+    says which (``overloaded`` / ``unavailable``), as the native API's ``kind`` does."""
+    from tokenizer_proc.openai_routes import _error_for
+
+    full = json.loads(_error_for(ErrorOut("r", "server overloaded: 9 requests", "overloaded")).body)["error"]
+    drain = json.loads(_error_for(ErrorOut("r", "Loom is shutting down", "unavailable")).body)["error"]
+    assert (full["type"], full["code"], drain["code"]) == ("server_error", "overloaded", "unavailable")
+    assert oa.error_detail(500, "bug", None).error.code is None
+
+
 def test_completion_prompts_and_refusals() -> None:
     def prompts(p: object) -> list:
         req = oa.decode_request(json.dumps({"model": "m", "prompt": p}).encode(), oa.CompletionRequest)

@@ -82,9 +82,9 @@ def result_dict(msg: GenerateOut) -> dict[str, Any]:
     return {"text": msg.text, "output_ids": msg.output_ids, "meta_info": msgspec.to_builtins(msg.meta_info)}
 
 
-def native_error_response(status: int, message: str, param: str | None, headers: dict | None) -> Response:
+def native_error_response(status: int, message: str, param: str | None, headers: dict | None, kind: str) -> Response:
     """:func:`native_error` with :data:`~tokenizer_proc.http_io.ErrorMaker`'s signature."""
-    return native_error(status, message, headers=headers)
+    return native_error(status, message, kind or None, headers)
 
 
 class NativeRoutes:

@@ -35,12 +35,15 @@ KIND_STATUS = {"bad_request": 400, "not_found": 404, "overloaded": 503, "unavail
 class HttpError(Exception):
     """Answer the request with ``status`` and this message (in the endpoint family's error shape)."""
 
-    def __init__(self, status: int, message: str, *, param: str | None = None, headers: dict | None = None) -> None:
+    def __init__(
+        self, status: int, message: str, *, param: str | None = None, headers: dict | None = None, kind: str = ""
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param  # the offending field (OpenAI's ``param``), when known
         self.headers = headers or {}
+        self.kind = kind  # Loom's error kind when the status alone does not say it (503: overloaded)
 
 
 class Door(Protocol):
@@ -56,11 +59,12 @@ class Door(Protocol):
 
 
 Endpoint = Callable[[Request], Awaitable[Response]]
-ErrorMaker = Callable[[int, str, "str | None", "dict[str, str] | None"], Response]
+# (status, message, param, headers, kind): kind "" = the status's own
+ErrorMaker = Callable[[int, str, "str | None", "dict[str, str] | None", str], Response]
 
 
 def guarded(to_error: ErrorMaker) -> Callable[[Endpoint], Endpoint]:
-    """Answer an endpoint's :class:`HttpError` with ``to_error(status, message, param, headers)`` (its family's
+    """Answer an endpoint's :class:`HttpError` with ``to_error(status, message, param, headers, kind)`` (its family's
     error shape); a bug answers 500 and the server stays up."""
 
     def wrap(fn: Endpoint) -> Endpoint:
@@ -69,14 +73,14 @@ def guarded(to_error: ErrorMaker) -> Callable[[Endpoint], Endpoint]:
             try:
                 return await fn(request)
             except HttpError as e:
-                return to_error(e.status, e.message, e.param, e.headers)
+                return to_error(e.status, e.message, e.param, e.headers, e.kind)
             except ClientDisconnect:  # the client left while its body was read: no bug, nobody to answer
                 log.info("HTTP %s %s: the client disconnected before its body arrived", request.method,
                          request.url.path)  # fmt: skip
                 return disconnected_response()
             except Exception as e:  # noqa: BLE001 - a handler bug answers 500; the server stays up
                 log.exception("HTTP %s %s failed", request.method, request.url.path)
-                return to_error(500, f"internal error: {type(e).__name__}: {e}", None, None)
+                return to_error(500, f"internal error: {type(e).__name__}: {e}", None, None, "")
 
         return endpoint
 

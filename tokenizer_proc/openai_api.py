@@ -57,8 +57,11 @@ class _Common(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Fields shared by chat and completions requests."""
 
     def __post_init__(self) -> None:
+        # null means the default for every optional field, as OpenAI's schema types them (``T | null``)
         if self.n is None:
             self.n = 1
+        self.stream = bool(self.stream)
+        self.ignore_eos = bool(self.ignore_eos)
 
     model: str
     max_tokens: int | None = None
@@ -67,7 +70,7 @@ class _Common(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     n: int | None = 1  # null means the default, as in OpenAI's schema
     stop: str | list[str] | None = None
     seed: int | None = None
-    stream: bool = False
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # an end-user id for the caller's records; Loom does not use it
     # accepted only at their no-op values (refused by name otherwise)
@@ -77,7 +80,7 @@ class _Common(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     service_tier: str | None = None
     # Loom extensions with SGLang's / vLLM's names (the openai client sends them with extra_body)
     top_k: int | None = None
-    ignore_eos: bool = False
+    ignore_eos: bool | None = False
     stop_token_ids: list[int] | None = None
 
 
@@ -86,13 +89,18 @@ class ChatCompletionRequest(_Common, kw_only=True, forbid_unknown_fields=True):
 
     messages: list[ChatMessageIn]
     max_completion_tokens: int | None = None
-    logprobs: bool = False
+    logprobs: bool | None = False
     top_logprobs: int | None = None
+    metadata: dict[str, str] | None = None  # tags for OpenAI's stored completions; Loom stores none
     response_format: dict[str, Any] | None = None
     tools: list[Any] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     store: bool | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.logprobs = bool(self.logprobs)
 
 
 class CompletionRequest(_Common, kw_only=True, forbid_unknown_fields=True):
@@ -100,9 +108,13 @@ class CompletionRequest(_Common, kw_only=True, forbid_unknown_fields=True):
 
     prompt: str | list[Any]
     logprobs: int | None = None
-    echo: bool = False
+    echo: bool | None = False
     suffix: str | None = None
     best_of: int | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.echo = bool(self.echo)
 
 
 def decode_request(body: bytes, typ: type) -> Any:
@@ -325,10 +337,13 @@ class ErrorResponse(msgspec.Struct):
     error: ErrorDetail
 
 
-def error_detail(status: int, message: str, param: str | None) -> ErrorResponse:
-    """OpenAI's error shape for an HTTP status (``code`` ``model_not_found`` for a 404 about ``model``)."""
+def error_detail(status: int, message: str, param: str | None, loom_kind: str = "") -> ErrorResponse:
+    """OpenAI's error shape for an HTTP status (``code`` ``model_not_found`` for a 404 about ``model``; a 503's
+    ``code`` is ``overloaded`` for a full queue, so that a client can tell it from ``unavailable``, a drain or
+    restart)."""
     if status >= 500:
-        kind, code = "server_error", {503: "unavailable"}.get(status)
+        kind = "server_error"
+        code = ("overloaded" if loom_kind == "overloaded" else "unavailable") if status == 503 else None
     else:
         kind, code = "invalid_request_error", {413: "request_too_large"}.get(status)
         if status == 404 and param == "model":

@@ -50,9 +50,11 @@ if TYPE_CHECKING:
 DEFAULT_BASE_ID = DEFAULT_SERVED_MODEL_NAME
 
 
-def error_response(status: int, message: str, param: str | None, headers: dict[str, str] | None = None) -> Response:
-    """An OpenAI-shaped JSON error."""
-    return json_response(status, oa.error_detail(status, message, param), headers)
+def error_response(
+    status: int, message: str, param: str | None, headers: dict[str, str] | None = None, kind: str = ""
+) -> Response:
+    """An OpenAI-shaped JSON error (``kind``: Loom's error kind, which names a 503's ``code``)."""
+    return json_response(status, oa.error_detail(status, message, param, kind), headers)
 
 
 CHAT_DEFAULT_NOTE = "max_tokens was not given: it defaults to what the context leaves after the prompt, at least 1"
@@ -62,9 +64,8 @@ def _error_for(msg: ErrorOut, adapter: str | None = None) -> Response:
     """The response for a front-door error. Every field the front door checks was checked (and named) before
     the call was submitted, except the adapter: a 404, or with an adapter a 400, is about ``model``."""
     about_model = msg.kind == "not_found" or (msg.kind == "bad_request" and adapter is not None)
-    return error_response(
-        KIND_STATUS.get(msg.kind, 500), oa.openai_message(msg.message), "model" if about_model else None
-    )
+    status = KIND_STATUS.get(msg.kind, 500)
+    return error_response(status, oa.openai_message(msg.message), "model" if about_model else None, None, msg.kind)
 
 
 @dataclass
@@ -174,7 +175,7 @@ class OpenAIRoutes:
         except ChatTemplateError as e:
             raise HttpError(400, str(e), param="messages") from None
         except RuntimeError as e:  # Overloaded: too many long prompts wait for the tokenizer thread
-            raise HttpError(503, str(e)) from None
+            raise HttpError(503, str(e), kind="overloaded") from None
 
     def _check_sampling(self, req: oa.ChatCompletionRequest | oa.CompletionRequest, limits: Limits) -> None:
         """Check the sampling values as the front door will (its errors name OpenAI's fields here)."""
@@ -386,7 +387,8 @@ class OpenAIRoutes:
             for i, msg in news:
                 if isinstance(msg, ErrorOut):
                     status = KIND_STATUS.get(msg.kind, 500)
-                    await send_body(send, sse_event(oa.error_detail(status, oa.openai_message(msg.message), None)))
+                    detail = oa.error_detail(status, oa.openai_message(msg.message), None, msg.kind)
+                    await send_body(send, sse_event(detail))
                     await send_body(send, DONE_EVENT, more=False)
                     return
                 assert isinstance(msg, GenerateOut)
