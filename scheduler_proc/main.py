@@ -451,7 +451,10 @@ class SchedulerLoop:
         rec = self.recovery
         if self.in_flight and now - self.step_started > self.step_deadline_s:
             missing = sorted(set(range(self.args.tp_size)) - set(self.results))
-            self._request_restart(f"step timed out after {self.step_deadline_s:.1f} s waiting for ranks {missing}")
+            why = f"step timed out after {self.step_deadline_s:.1f} s waiting for ranks {missing}"
+            if len(missing) > 1:  # one hung rank holds its peers in the step's next all-reduce: all look hung
+                why += " (a rank waiting in a collective for a hung peer does not answer either)"
+            self._request_restart(why)
         elif rec.phase == "waiting" and now - rec.since > self.args.ready_timeout_s:
             missing = sorted(set(range(self.args.tp_size)) - set(rec.ready))
             self._request_restart(f"ranks {missing} did not report READY in {self.args.ready_timeout_s:.0f} s")

@@ -120,6 +120,9 @@ def test_completion_prompts_and_refusals() -> None:
     for bad in ([], [1, "x"], [[]], [True]):
         with pytest.raises(HttpError):
             prompts(bad)
+    for bad in (["x", ""], [[1, 2], []]):  # the empty one is named, whatever the prompts' form
+        with pytest.raises(HttpError, match=r"prompt\[1\] is empty"):
+            prompts(bad)
     for field, value in (("echo", True), ("suffix", "s"), ("best_of", 3), ("logprobs", 21)):
         with pytest.raises(HttpError) as e:
             oa.check_supported(oa.CompletionRequest(model="m", prompt="x", **{field: value}))

@@ -243,7 +243,10 @@ def completion_prompts(req: CompletionRequest) -> list[str | list[int]]:
             if not x:
                 raise HttpError(400, f"prompt[{j}] is empty", param="prompt")
         return list(p)
-    if all(isinstance(x, list) and x and all(isinstance(t, int) and not isinstance(t, bool) for t in x) for x in p):
+    if all(isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in x) for x in p):
+        for j, x in enumerate(p):
+            if not x:
+                raise HttpError(400, f"prompt[{j}] is empty", param="prompt")
         return [list(x) for x in p]
     raise HttpError(400, "prompt must be a string, a list of strings, token ids or lists of token ids", param="prompt")
 
