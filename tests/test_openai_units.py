@@ -299,6 +299,10 @@ def test_lora_calls_in_flight_are_answered_when_the_front_door_stops(model_path)
         assert not any(isinstance(m, LoraUnloadCmd) for m in sent) and door.registry.state("z") == "gone"
         with pytest.raises(ServerStopping, match="not loaded or unloaded now"):
             await door.load_adapter("y", path)
+        n = len(sent)
+        door.lora._unload_stray("uid-x", "x")  # e.g. a reconcile while it stops: nothing reaches the workers
+        await asyncio.sleep(0.01)
+        assert len(sent) == n
 
         drained = FrontDoor(make_args(model_path, enable_lora=True), sent.append)
         drained.begin_drain("Loom is shutting down")

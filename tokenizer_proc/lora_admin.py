@@ -97,6 +97,7 @@ class LoraAdmin:
         self.registry.on_change = lambda: self.journal.save(self.registry.snapshot())
         self._carried: RegistrySnapshot | None = None  # a restarted front door's journal until its first view
         self.stopping: str | None = None  # why loads and unloads are refused (draining or stopping)
+        self._closed = False  # this front door stops: it sends no more LoRA commands (see interrupt)
 
     def seed_from_journal(self) -> None:
         """A restarted front door, before its first cluster view: keep the previous incarnation's settled adapters
@@ -132,6 +133,9 @@ class LoraAdmin:
         scheduler restart resends it."""
         op_id = next(self._op_ids)
         fut = asyncio.get_running_loop().create_future()
+        if self._closed:  # a stopping front door changes nothing at the workers (its successor owns them)
+            fut.set_exception(ServerStopping(self.stopping or "the front door is stopping"))
+            return op_id, fut
         cmd = cmd_factory(op_id)
         self._ops[op_id] = fut
         self._op_cmds[op_id] = cmd
@@ -179,6 +183,7 @@ class LoraAdmin:
         undo them: a command the ranks already have may still finish, and the next front door adopts what the
         workers then hold (a dying front door must not change the workers behind its successor's back)."""
         self.refuse_changes(why)
+        self._closed = True
         for fut in self._ops.values():
             if not fut.done():
                 fut.set_exception(ServerStopping(why))
@@ -467,6 +472,10 @@ class LoraAdmin:
         started = time.monotonic()
         try:
             res = await self._wait_op(op_id, fut)
+        except ServerStopping as err:  # nothing undone: the next front door restores it, or adopts what was loaded
+            self.registry.finish_load(name, ok=False)
+            self._settled(name, err)
+            return
         except RuntimeError as err:
             res = LoraOpResult(op_id, False, str(err))
             self._unload_stray(t.uid, name)
