@@ -202,6 +202,11 @@ def phase_table(folder: Path) -> str:
     return "\n".join(lines) if lines else f"no decode steps were timed (no phases-*.json in {folder})"
 
 
+def burst_rows(burst: list[list]) -> int:
+    """The most rows any step of a burst ran (its full batch)."""
+    return max(s[1] for s in burst)
+
+
 def burst_starts(trace: list[list]) -> list[str]:
     """One line per burst in a step trace (``[mode, rows, decode rows, input tokens, ms]`` per step): a burst
     starts at a step of two or more rows after a one-row step (bench/multi_lora.py warms each adapter up with one
@@ -216,5 +221,9 @@ def burst_starts(trace: list[list]) -> list[str]:
         prefill = sum(1 for s in burst if s[2] < s[1])
         first = " ".join(f"{s[1]}/{s[2]}" for s in burst[:6])
         busy = sum(s[4] for s in burst) / 1e3
-        out.append(f"{burst[0][0]:<5} {len(burst):3d} steps ({prefill} with prefill), {busy:.2f} s: {first}")
+        pre = sum(s[4] for s in burst if s[2] < s[1]) / 1e3
+        pre_tokens = sum(s[3] - s[2] for s in burst if s[2] < s[1])  # prompt tokens computed (not cached)
+        full = [s[4] for s in burst if s[2] == s[1] and s[1] >= max(2, burst_rows(burst) * 3 // 4)]
+        split = f"prefill {pre:.2f} s of {pre_tokens} tokens, {len(full)} full decode steps {sum(full) / 1e3:.2f} s"
+        out.append(f"{burst[0][0]:<5} {len(burst):3d} steps ({prefill} with prefill), {busy:.2f} s ({split}): {first}")
     return out

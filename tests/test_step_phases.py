@@ -91,8 +91,10 @@ def test_burst_starts_tells_a_burst_that_started_at_once_from_one_that_trickled(
     trickled += [["mixed", 64, 64, 64, 60.0]] * 60 + [["mixed", 9, 9, 9, 15.0]] * 3
     lines = burst_starts(warm + at_once + warm + trickled + warm)
     assert len(lines) == 2, lines
-    assert "64 steps (1 with prefill), 4.38 s: 64/1 64/64" in lines[0]
-    assert "66 steps (3 with prefill), 4.20 s: 12/0 26/12 31/26 64/64" in lines[1]
+    assert "64 steps (1 with prefill), 4.38 s (prefill 0.60 s of 699 tokens, 63 full decode" in lines[0]
+    assert "decode steps 3.78 s): 64/1 64/64" in lines[0]
+    assert "66 steps (3 with prefill), 4.20 s (prefill 0.55 s of 600 tokens, 60 full decode" in lines[1]
+    assert "decode steps 3.60 s): 12/0 26/12 31/26 64/64" in lines[1]
 
 
 def test_a_folder_without_timings_says_so(tmp_path):
