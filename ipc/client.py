@@ -686,8 +686,10 @@ class LoomClient(_ClientBase):
 
     def list_loras(self) -> list[dict[str, Any]]:
         """Loaded adapters: name, uid, path, rank, pinned and ``slots`` ({"rank N": slot}); LoomError if the
-        server cannot be reached."""
+        server cannot be reached or could not list them (the front door answers an error then)."""
         reply = self._admin(ListLorasReq())
+        if isinstance(reply, AdminOut):
+            raise LoomError(reply.message, reply.kind or "server_error")
         return [msgspec.to_builtins(a) for a in reply.adapters]
 
 

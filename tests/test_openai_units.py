@@ -395,6 +395,8 @@ def test_cluster_health_reasons_and_evictions_across_schedulers() -> None:
     h.heard_from_scheduler()
     h.unavailable = "TP group restarting"
     assert h.problem() == "TP group restarting"
+    h.restarting = "the front door is restarting"  # a dying front door: /health 503 until its successor answers
+    assert h.problem() == "the front door is restarting"
 
 
 # ----------------------------------------------------------------------------- refusals name OpenAI's fields

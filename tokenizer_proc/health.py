@@ -3,7 +3,8 @@ scheduler's last heartbeat, and the failover counters ``/metrics`` shows.
 
 ``/health`` is 200 only while the scheduler has sent something within ``silence_limit_s`` (it beats every
 second) and its last :class:`~ipc.messages.SchedulerBeat` names no TP rank that left a liveness probe
-unanswered; and neither a TP group restart, a fatal error nor a drain (SIGTERM) is under way.
+unanswered; and neither a TP group restart, a fatal error, a drain (SIGTERM) nor this front door's own restart is
+under way.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ class ClusterHealth:
 
     unavailable: str | None = None  # a TP group restart or a fatal error, from the scheduler's ClusterEvents
     draining: str | None = None  # set on SIGTERM: no new requests are admitted
+    restarting: str | None = None  # this front door is stopping and the launcher starts another
     restarts: dict[str, int] = field(default_factory=dict)  # process -> restarts
     resumed: int = 0  # running requests re-admitted after a TP group restart
     adapters_lost: int = 0  # adapters a restart could not restore
@@ -72,6 +74,8 @@ class ClusterHealth:
         """Why the cluster cannot serve now, or None when the scheduler and every TP rank answered recently."""
         if self.draining is not None:
             return self.draining
+        if self.restarting is not None:
+            return self.restarting
         if self.unavailable is not None:
             return self.unavailable
         silent = time.monotonic() - self.last_heard

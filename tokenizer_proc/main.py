@@ -530,8 +530,15 @@ class FrontDoorServer:
         # when the cluster goes away are in-flight requests told so; otherwise the launcher restarts this front
         # door and the clients resubmit them
         stopping = self.drained or cluster_stopping(self.args)
-        # LoRA calls waiting for the scheduler are answered too (HTTP 503), before the connections close
-        self.door.lora.interrupt("server shutting down" if stopping else "the front door is restarting")
+        why = "server shutting down" if stopping else "the front door is restarting"
+        # from now on /health says 503, so no client takes this dying front door for the next one. Only when the
+        # cluster goes away are new requests refused: ZMQ clients resubmit what reaches a restarting front door.
+        # LoRA calls waiting for the scheduler are answered (HTTP 503) before the connections close
+        if stopping:
+            self.door.begin_drain(why)
+        else:
+            self.door.health.restarting = why
+        self.door.lora.interrupt(why)
         if stopping:
             self.door.fail_all("server shutting down")
         else:  # ZMQ clients resubmit to the restarted front door; an HTTP client can only be told to retry
