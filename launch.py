@@ -36,6 +36,7 @@ import zmq
 from ipc.client import endpoint_problem
 from ipc.codec import Codec, WireError
 from ipc.config import (
+    DEFAULT_BATCH_WAIT_MS,
     DEFAULT_CHUNKED_PREFILL_SIZE,
     DEFAULT_DECODE_MIRROR_MB,
     DEFAULT_MAX_PREFILL_TOKENS,
@@ -218,6 +219,14 @@ def build_parser() -> argparse.ArgumentParser:
         "is prefilled in one step instead of --chunked-prefill-size at a time",
     )
     a(
+        "--batch-wait-ms",
+        type=float,
+        default=DEFAULT_BATCH_WAIT_MS,
+        help="on an idle server, the first step starts once no request has arrived for this many ms (at most 10x "
+        "it after the first), so requests sent together start in one step; a lone request waits this long; "
+        "0: start at once",
+    )
+    a(
         "--decode-mirror-mb",
         type=int,
         default=DEFAULT_DECODE_MIRROR_MB,
@@ -307,6 +316,7 @@ class FlagError(ValueError):
 
 
 MIN_TOTAL_TOKENS = 16  # a KV cache smaller than this holds no useful request
+MAX_BATCH_WAIT_MS = 1000.0  # a hold longer than a second would only be a mistyped flag
 
 
 def check_sizes(ns: argparse.Namespace) -> None:
@@ -323,6 +333,8 @@ def check_sizes(ns: argparse.Namespace) -> None:
     for flag, value in (("--max-total-tokens", ns.max_total_tokens), ("--context-length", ns.context_length)):
         if value < 0:
             raise FlagError(f"{flag} {value}: must be 0 (the default) or positive")
+    if not 0 <= ns.batch_wait_ms <= MAX_BATCH_WAIT_MS:
+        raise FlagError(f"--batch-wait-ms {ns.batch_wait_ms:g}: must be 0 (no wait) to {MAX_BATCH_WAIT_MS:g} ms")
     if ns.enable_lora and ns.max_loras_per_batch < 1:
         raise FlagError(f"--max-loras-per-batch {ns.max_loras_per_batch}: LoRA needs at least one slot per rank")
     if ns.context_length and ns.max_total_tokens and ns.context_length > ns.max_total_tokens:
@@ -410,6 +422,7 @@ def to_server_args(ns: argparse.Namespace) -> ServerArgs:
         disable_radix_cache=ns.disable_radix_cache,
         chunked_prefill_size=ns.chunked_prefill_size,
         max_prefill_tokens=ns.max_prefill_tokens,
+        batch_wait_ms=ns.batch_wait_ms,
         decode_mirror_mb=ns.decode_mirror_mb,
         log_level=ns.log_level,
     )

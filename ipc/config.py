@@ -12,6 +12,9 @@ import msgspec
 DEFAULT_CHUNKED_PREFILL_SIZE = 64
 DEFAULT_MAX_PREFILL_TOKENS = 2048
 DEFAULT_DECODE_MIRROR_MB = 512
+# an idle scheduler starts once no request arrived for this long: a burst sent at once reaches it over 12-28 ms
+# on a 2-core CPU, with gaps of up to ~4-7 ms (scheduler_proc/burst_wait.py)
+DEFAULT_BATCH_WAIT_MS = 5.0
 
 
 class LoraSpec(msgspec.Struct, frozen=True):
@@ -78,6 +81,7 @@ class ServerArgs(msgspec.Struct, frozen=True, kw_only=True):
     disable_radix_cache: bool = False  # the radix prefix cache (keyed by adapter uid, then token ids) is on by default
     chunked_prefill_size: int = DEFAULT_CHUNKED_PREFILL_SIZE  # most prefill tokens per step (<= 0: whole prompts)
     max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS  # prefill tokens of a step in which no request decodes
+    batch_wait_ms: float = DEFAULT_BATCH_WAIT_MS  # idle server: the first step waits for a burst's arrivals to pause
     decode_mirror_mb: int = DEFAULT_DECODE_MIRROR_MB  # per worker, CPU only; 0 turns the decode KV mirror off
     log_level: str = "info"
 

@@ -48,6 +48,7 @@ from ipc.messages import (
 from ipc.model_config import load_model_config
 from ipc.proc import StopRequested, begin_cleanup, child_setup
 from ipc.sockets import CONTROL_CODEC, UNBOUNDED, HeartbeatSender, failed, make_socket, ready
+from scheduler_proc.burst_wait import BurstWait
 from scheduler_proc.health import BEAT_INTERVAL_S, LOOP_STALL_S, FirstReady, RankLiveness, batch_stats, count_evictions
 from scheduler_proc.lora_ops import LoadedAdapter, LoraOps
 from scheduler_proc.recovery import GroupRecovery, RestoreOutcome
@@ -78,6 +79,8 @@ def check_digests(results: dict[int, StepResult]) -> None:
 # a step may take this long per token it carries on top of --step-timeout before the group counts as hung
 # (a 4,000-token prefill takes about 5 s on a 2-core CPU; 20 ms per token leaves a wide margin)
 STEP_TIMEOUT_PER_TOKEN_S = 0.02
+BURST_WAIT_CAP = 10  # an idle scheduler's first step waits at most this many --batch-wait-ms for a burst
+BURST_LONE_WAIT_S = 0.001  # ... and only this long for a second request after a first (scheduler_proc/burst_wait.py)
 
 
 class SchedulerLoop:
@@ -119,6 +122,8 @@ class SchedulerLoop:
         self.last_beat = 0.0
         self.slot_evictions = 0  # adapters evicted from a slot on rank 0 (for /metrics)
         self.orphan_ops: set[int] = set()  # LoRA commands of a dead front door still at the ranks
+        gap_s = args.batch_wait_ms / 1000
+        self.burst = BurstWait(gap_s, BURST_WAIT_CAP * gap_s, BURST_LONE_WAIT_S)
 
     # ------------------------------------------------------------------ start-up
     def wait_for_workers(self) -> None:
@@ -245,6 +250,7 @@ class SchedulerLoop:
             return True
         s = self.sched
         if isinstance(msg, TokenizedReq):
+            self.burst.arrived(time.monotonic(), idle=not s.running and not s.waiting)
             self._emit(s.add(msg))
         elif isinstance(msg, AbortRid):
             self._emit(s.abort(msg.rid, msg.reason))
@@ -497,6 +503,30 @@ class SchedulerLoop:
         )
 
     # ------------------------------------------------------------------ loop
+    def _start_step(self) -> float:
+        """Send the LoRA commands that may go now and the next step's batch, if any and none is in flight.
+
+        Returns:
+            Seconds to wait for more arrivals before planning the step (0: planned, or nothing to do): an idle
+            scheduler holds its first step while a burst is still arriving (:mod:`scheduler_proc.burst_wait`).
+        """
+        if self.in_flight or not self.recovery.serving:
+            return 0.0
+        if not self.sched.running and self.sched.waiting:
+            hold_s = self.burst.hold_s(time.monotonic())
+            if hold_s > 0:
+                return hold_s
+        for m in self.ops.ready_to_send(self.sched.uses_adapter, self.sched.can_pin):
+            self._broadcast(m)
+        fb = self.sched.next_batch()
+        if fb is not None:
+            self._broadcast(fb)
+            self.in_flight, self.step_no = True, fb.step
+            self.step_started = time.monotonic()
+            tokens = sum(len(r.input_ids) for r in fb.reqs)
+            self.step_deadline_s = self.args.step_timeout_s + STEP_TIMEOUT_PER_TOKEN_S * tokens
+        return 0.0
+
     def run(self) -> None:
         """Serve until ShutdownCmd or SIGTERM."""
         poller = zmq.Poller()
@@ -505,17 +535,9 @@ class SchedulerLoop:
         while True:
             self.heartbeat.beat()
             self._health_tick()
-            if not self.in_flight and self.recovery.serving:
-                for m in self.ops.ready_to_send(self.sched.uses_adapter, self.sched.can_pin):
-                    self._broadcast(m)
-                fb = self.sched.next_batch()
-                if fb is not None:
-                    self._broadcast(fb)
-                    self.in_flight, self.step_no = True, fb.step
-                    self.step_started = time.monotonic()
-                    tokens = sum(len(r.input_ids) for r in fb.reqs)
-                    self.step_deadline_s = self.args.step_timeout_s + STEP_TIMEOUT_PER_TOKEN_S * tokens
-            events = dict(poller.poll(500 if not self.in_flight else 200))
+            hold_s = self._start_step()
+            timeout_ms = max(1, round(hold_s * 1000)) if hold_s > 0 else 200 if self.in_flight else 500
+            events = dict(poller.poll(timeout_ms))
             if self.from_front in events:
                 for _ in range(256):
                     try:

@@ -113,6 +113,8 @@ def test_lora_paths_flag_forms():
         (["--enable-lora", "--max-loras-per-batch", "0"], "--max-loras-per-batch 0: LoRA needs at least one slot"),
         (["--max-total-tokens", "1"], "--max-total-tokens 1: the KV cache must hold at least 16 tokens"),
         (["--context-length", "-5"], "--context-length -5: must be 0 (the default) or positive"),
+        (["--batch-wait-ms", "-1"], "--batch-wait-ms -1: must be 0 (no wait) to 1000 ms"),
+        (["--batch-wait-ms", "nan"], "--batch-wait-ms nan: must be 0 (no wait) to 1000 ms"),
     ],
 )
 def test_sizing_flags_no_server_could_use_exit_2_naming_the_flag(flags, text, caplog):
