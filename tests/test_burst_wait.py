@@ -76,51 +76,53 @@ def steps(sent: list) -> list[list[str]]:
     return [[r.rid for r in m.reqs] for m in sent if isinstance(m, ForwardBatch)]
 
 
-def test_an_idle_scheduler_starts_a_burst_in_one_step(tmp_path, monkeypatch):
-    clock = Clock()
+@pytest.fixture
+def held(tmp_path, monkeypatch):
+    """``held(batch_wait_ms)`` -> (loop, what it sent the workers, its clock); the sockets are closed after."""
+    clock, made = Clock(), []
     monkeypatch.setattr(sched_main.time, "monotonic", clock)
-    loop, sent, ctx = make_loop(tmp_path, batch_wait_ms=5)
-    try:
-        send(loop, req("a"))
-        assert loop._start_step() == pytest.approx(0.001)  # the first arrival alone: wait 1 ms for a second
-        clock.now += 0.0009
-        send(loop, req("b"))  # a second within 1 ms: a burst, which waits until arrivals pause for 5 ms
-        clock.now += 0.0021
-        send(loop, req("c"))
-        clock.now += 0.004  # 7 ms after the first, 4 after the last: still arriving
-        assert loop._start_step() == pytest.approx(0.001) and steps(sent) == []
-        clock.now += 0.001
-        assert loop._start_step() == 0.0
-        assert steps(sent) == [["a", "b", "c"]]
-        # with a request running, a new arrival joins the next step without any hold
-        loop.in_flight = False
-        loop.sched.on_result([9, 9, 9], {}, {})
-        send(loop, req("d"))
-        loop._start_step()
-        assert steps(sent)[-1] == ["a", "b", "c", "d"]
-    finally:
+
+    def make(batch_wait_ms: float) -> tuple[SchedulerLoop, list, Clock]:
+        loop, sent, ctx = make_loop(tmp_path, batch_wait_ms)
+        made.append(ctx)
+        return loop, sent, clock
+
+    yield make
+    for ctx in made:
         close(ctx, tmp_path)
 
 
-def test_a_lone_request_starts_a_millisecond_after_it_came(tmp_path, monkeypatch):
-    clock = Clock()
-    monkeypatch.setattr(sched_main.time, "monotonic", clock)
-    loop, sent, ctx = make_loop(tmp_path, batch_wait_ms=5)
-    try:
-        send(loop, req("a"))
-        clock.now += 0.001
-        assert loop._start_step() == 0.0
-        assert steps(sent) == [["a"]]
-    finally:
-        close(ctx, tmp_path)
+def test_an_idle_scheduler_starts_a_burst_in_one_step(held):
+    loop, sent, clock = held(5)
+    send(loop, req("a"))
+    assert loop._start_step() == pytest.approx(0.001)  # the first arrival alone: wait 1 ms for a second
+    clock.now += 0.0009
+    send(loop, req("b"))  # a second within 1 ms: a burst, which waits until arrivals pause for 5 ms
+    clock.now += 0.0021
+    send(loop, req("c"))
+    clock.now += 0.004  # 7 ms after the first, 4 after the last: still arriving
+    assert loop._start_step() == pytest.approx(0.001) and steps(sent) == []
+    clock.now += 0.001
+    assert loop._start_step() == 0.0
+    assert steps(sent) == [["a", "b", "c"]]
+    # with a request running, a new arrival joins the next step without any hold
+    loop.in_flight = False
+    loop.sched.on_result([9, 9, 9], {}, {})
+    send(loop, req("d"))
+    loop._start_step()
+    assert steps(sent)[-1] == ["a", "b", "c", "d"]
 
 
-def test_batch_wait_zero_starts_the_first_arrival_at_once(tmp_path, monkeypatch):
-    monkeypatch.setattr(sched_main.time, "monotonic", Clock())
-    loop, sent, ctx = make_loop(tmp_path, batch_wait_ms=0)
-    try:
-        send(loop, req("a"))
-        assert loop._start_step() == 0.0
-        assert steps(sent) == [["a"]]
-    finally:
-        close(ctx, tmp_path)
+def test_a_lone_request_starts_a_millisecond_after_it_came(held):
+    loop, sent, clock = held(5)
+    send(loop, req("a"))
+    clock.now += 0.001
+    assert loop._start_step() == 0.0
+    assert steps(sent) == [["a"]]
+
+
+def test_batch_wait_zero_starts_the_first_arrival_at_once(held):
+    loop, sent, _ = held(0)
+    send(loop, req("a"))
+    assert loop._start_step() == 0.0
+    assert steps(sent) == [["a"]]
