@@ -222,9 +222,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--batch-wait-ms",
         type=float,
         default=DEFAULT_BATCH_WAIT_MS,
-        help="on an idle server, the first step starts once no request has arrived for this many ms (at most 10x "
-        "it after the first), so requests sent together start in one step; a lone request waits this long; "
-        "0: start at once",
+        help="on an idle server, the first step waits 1 ms for a second request and, once one came, until no "
+        "request has arrived for this many ms (at most 10x it after the first arrival: 50 ms at the default, 10 s "
+        "at the largest, 1000), so requests sent together start in one step; with requests running nothing "
+        "waits; 0: start at once",
     )
     a(
         "--decode-mirror-mb",

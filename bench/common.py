@@ -15,6 +15,7 @@ import re
 import shutil
 import signal
 import statistics
+import string
 import subprocess
 import sys
 import tempfile
@@ -50,13 +51,23 @@ QUESTIONS = [
 ]
 
 
-def chat_prompts(n: int, run: int = 0) -> list[list[dict[str, str]]]:
-    """``n`` single-turn chats (questions repeat with a numbered suffix so prompts differ); ``run`` > 0 starts each
-    with a tag, so the prompts of one run never hit the prefix cache that an earlier run's filled (they share only
-    the chat template's system prompt). The tag comes first: after the question, later runs found its ~8 tokens
-    cached by the run before, and a first run prefilled ~500 tokens more than the rest."""
+def chat_prompts(n: int, run: int = 0, groups: int = 1) -> list[list[dict[str, str]]]:
+    """``n`` single-turn chats (questions repeat with a numbered suffix so prompts differ).
+
+    ``run`` > 0 starts each with a tag, so the prompts of one run never hit the prefix cache that an earlier run's
+    filled (they share only the chat template's system prompt). The tag opens with the request's group letter
+    (request ``i`` is in group ``i % groups``), then the run and ``i``: requests share a start only within their
+    group. bench/multi_lora.py makes the groups its traffic's adapters (and base), so a base run shares prompt
+    starts the same way a mixed run can under each adapter's own prefix cache. With the former ``(run N, i)`` tag,
+    every base request shared ``(run N, `` with all the others but a mixed one only with its adapter's 7, so a
+    base burst that started in two steps computed ~200 prompt tokens fewer.
+    """
     if run:
-        return [[{"role": "user", "content": f"(run {run}, {i}) {QUESTIONS[i % len(QUESTIONS)]}"}] for i in range(n)]
+        letters = string.ascii_uppercase
+        return [
+            [{"role": "user", "content": f"{letters[i % groups % 26]}{run}-{i}) {QUESTIONS[i % len(QUESTIONS)]}"}]
+            for i in range(n)
+        ]
     return [[{"role": "user", "content": f"{QUESTIONS[i % len(QUESTIONS)]} ({i})"}] for i in range(n)]
 
 

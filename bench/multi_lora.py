@@ -164,7 +164,9 @@ def main() -> None:
             for side in ("base", "mixed") if i % 2 == 0 else ("mixed", "base"):
                 seed = 2 * i + (1 if side == "base" else 2)
                 traffic = [None] * a.requests if side == "base" else loras
-                runs[side] = loom_tps(cluster.endpoint, chat_prompts(a.requests, seed), traffic, a.new_tokens)
+                runs[side] = loom_tps(
+                    cluster.endpoint, chat_prompts(a.requests, seed, len(names) + 1), traffic, a.new_tokens
+                )
             pairs.append((runs["base"], runs["mixed"]))
     base, mixed = median([b for b, _ in pairs]), median([m for _, m in pairs])
     paired = median([m / b for b, m in pairs])

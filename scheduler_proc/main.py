@@ -81,6 +81,9 @@ def check_digests(results: dict[int, StepResult]) -> None:
 STEP_TIMEOUT_PER_TOKEN_S = 0.02
 BURST_WAIT_CAP = 10  # an idle scheduler's first step waits at most this many --batch-wait-ms for a burst
 BURST_LONE_WAIT_S = 0.001  # ... and only this long for a second request after a first (scheduler_proc/burst_wait.py)
+# what is left of a hold under this starts the step now: the poll's tick is 1 ms, and a poll that returned a
+# little early would otherwise sleep a whole second tick (a lone request waited 1.3-2.2 ms instead of 1)
+BURST_POLL_SLACK_S = 0.0003
 
 
 class SchedulerLoop:
@@ -250,8 +253,10 @@ class SchedulerLoop:
             return True
         s = self.sched
         if isinstance(msg, TokenizedReq):
-            self.burst.arrived(time.monotonic(), idle=not s.running and not s.waiting)
+            idle, queued = not s.running and not s.waiting, len(s.waiting)
             self._emit(s.add(msg))
+            if len(s.waiting) > queued:  # a request refused at once (too long, a duplicate) holds nothing up
+                self.burst.arrived(time.monotonic(), idle)
         elif isinstance(msg, AbortRid):
             self._emit(s.abort(msg.rid, msg.reason))
         elif isinstance(msg, LoraLoadCmd):
@@ -512,12 +517,12 @@ class SchedulerLoop:
         """
         if self.in_flight or not self.recovery.serving:
             return 0.0
+        for m in self.ops.ready_to_send(self.sched.uses_adapter, self.sched.can_pin):
+            self._broadcast(m)  # LoRA commands never wait for a burst
         if not self.sched.running and self.sched.waiting:
             hold_s = self.burst.hold_s(time.monotonic())
-            if hold_s > 0:
+            if hold_s > BURST_POLL_SLACK_S:
                 return hold_s
-        for m in self.ops.ready_to_send(self.sched.uses_adapter, self.sched.can_pin):
-            self._broadcast(m)
         fb = self.sched.next_batch()
         if fb is not None:
             self._broadcast(fb)

@@ -18,6 +18,7 @@ the request finishes. Unreferenced cached KV is evicted (LRU) whenever admission
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -29,9 +30,12 @@ from scheduler_proc.radix_cache import RadixCache, RadixNode
 
 _CONTEXT_TOKENS = 4  # tokens of left context kept for the next decode (a byte-level character is at most 4)
 _MAX_WINDOW_TOKENS = 32  # text still incomplete after this many tokens holds invalid bytes: read on regardless
-# a waiting request whose uncached prompt starts with this many tokens of a prompt being prefilled (same adapter)
-# waits until that prefill is cached, then reuses it instead of computing the same KV a second time
+# a waiting request whose uncached prompt starts like a prompt being prefilled (same adapter) waits until that
+# prefill is cached, then reuses it instead of computing the same KV again, when waiting saves this many prompt
+# tokens: its own shared start alone, or that start times the waiting requests that share it (a burst of 32
+# prompts opening with the same 6 tokens); a step of delay for tokens that cost about as much to compute
 _SHARED_PREFILL_TOKENS = 32
+_SHARED_SCAN = 64  # waiting requests looked at for others sharing a short start (bounds a step's planning time)
 _GREEDY = WorkerSampling(0.0, 1.0, -1, None)  # for prefill chunks whose token is discarded (no RNG drawn)
 
 
@@ -349,14 +353,26 @@ class Scheduler:
         return self.loaded_uids is None or uid in self.loaded_uids
 
     def _shares_prefill(self, r: Req, ids: list[int], start: int, prefilling: list[Req]) -> bool:
-        """Whether ``ids[start:]`` begins with enough tokens of a prompt still being prefilled (same adapter)
-        that ``r`` should wait for it to be cached rather than compute the same KV too."""
-        end = start + _SHARED_PREFILL_TOKENS
-        if len(ids) <= end:
-            return False
+        """Whether ``r`` should wait for a prompt still being prefilled (same adapter) to be cached rather than
+        compute the same KV too: ``ids[start:]`` starts with ``k`` of its tokens, and ``k`` alone, or ``k`` times
+        the waiting requests (``r`` among them; the first ``_SHARED_SCAN`` looked at) whose prompts start with
+        the same ``start + k`` tokens, reaches ``_SHARED_PREFILL_TOKENS``. The idea is SGLang's in-batch prefix
+        check (a request sharing a prefix with one already in the batch waits for the next), here also for a
+        short start that many requests repeat."""
+        k = 0
         for p in prefilling:
-            if p.lora_uid == r.lora_uid and p.prefill_len >= end and p.prefill_ids()[start:end] == ids[start:end]:
-                return True
+            if p.lora_uid == r.lora_uid and p.prefill_len > start:
+                k = max(k, _common_run(_prompt(p), ids, start, min(p.prefill_len, len(ids) - 1)))
+        if k >= _SHARED_PREFILL_TOKENS:
+            return True
+        if k == 0:
+            return False
+        head, need, sharers = ids[: start + k], -(-_SHARED_PREFILL_TOKENS // k), 0
+        for w in itertools.islice(self.waiting, _SHARED_SCAN):
+            if w.lora_uid == r.lora_uid and _prompt(w)[: start + k] == head:
+                sharers += 1
+                if sharers >= need:
+                    return True
         return False
 
     def _admit(self, budget: float, prefilling: list[Req]) -> list[Req]:
@@ -694,3 +710,16 @@ class Scheduler:
             error,
             cached_tokens=r.cached_tokens,
         )
+
+
+def _prompt(r: Req) -> list[int]:
+    """``r.prefill_ids()`` without building a new list when nothing was produced yet (the usual case)."""
+    return r.prefill_ids() if r.output_ids else r.input_ids
+
+
+def _common_run(a: list[int], b: list[int], start: int, end: int) -> int:
+    """How many tokens ``a`` and ``b`` share from index ``start`` on, counting no further than ``end``."""
+    n = start
+    while n < end and a[n] == b[n]:
+        n += 1
+    return n - start

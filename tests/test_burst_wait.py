@@ -6,7 +6,7 @@ import pytest
 from test_scheduler_front_restart import close, send
 
 from ipc.config import Endpoints, ServerArgs
-from ipc.messages import ForwardBatch, SamplingParams, TokenizedReq
+from ipc.messages import ForwardBatch, LoraLoadCmd, SamplingParams, TokenizedReq, WorkerLoraLoad
 from scheduler_proc import main as sched_main
 from scheduler_proc.burst_wait import BurstWait
 from scheduler_proc.main import SchedulerLoop
@@ -124,5 +124,29 @@ def test_a_lone_request_starts_a_millisecond_after_it_came(held):
 def test_batch_wait_zero_starts_the_first_arrival_at_once(held):
     loop, sent, _ = held(0)
     send(loop, req("a"))
+    assert loop._start_step() == 0.0
+    assert steps(sent) == [["a"]]
+
+
+def test_lora_commands_and_refused_requests_do_not_wait_for_a_burst(held):
+    """Found by a trial: a load sent during a hold went out only when the hold ended (9.9 s at
+    --batch-wait-ms 1000), and a refused request kept a good one waiting as if a burst went on."""
+    loop, sent, clock = held(5)
+    send(loop, req("a"))
+    send(loop, req("b"))
+    send(loop, LoraLoadCmd(3, "u1", "x", "/p"))
+    assert loop._start_step() > 0 and steps(sent) == []
+    assert [m.uid for m in sent if isinstance(m, WorkerLoraLoad)] == ["u1"]
+    clock.now += 0.0049
+    send(loop, TokenizedReq("too-long", [5] * 600, SamplingParams(max_new_tokens=4)))  # past the context
+    clock.now += 0.0001
+    assert loop._start_step() == 0.0
+    assert steps(sent) == [["a", "b"]]
+
+
+def test_a_hold_within_the_poll_slack_starts_now(held):
+    loop, sent, clock = held(5)
+    send(loop, req("a"))
+    clock.now += 0.0008  # 0.2 ms of the lone wait left: under one poll tick's slack
     assert loop._start_step() == 0.0
     assert steps(sent) == [["a"]]

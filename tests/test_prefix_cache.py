@@ -228,6 +228,30 @@ def test_requests_sharing_a_prefill_in_progress_wait_for_it():
     assert outs["r1"].cached_tokens == 100
 
 
+def test_a_burst_repeating_a_short_start_computes_it_once():
+    """Eight prompts opening with the same 6 uncached tokens, arriving together: the other seven wait a step
+    and reuse the first one's KV (42 tokens saved), where a pair of such prompts (6 tokens) both compute it."""
+    s = make(max_running=16)
+    start = [300, 301, 302, 303, 304, 305]
+    for i in range(8):
+        s.add(req(f"r{i}", start + [10 + i, 20 + i]))
+    s.add(req("other", [400, 401, 402]))  # shares nothing: not held back
+    s.add(req("lora", start + [9, 9], uid="u1"))  # the same tokens under an adapter: its KV is another's
+    fb, _ = step(s)
+    assert [r.rid for r in fb.reqs] == ["r0", "other", "lora"]
+    fb, outs = step(s)
+    got = {r.rid: r for r in fb.reqs}
+    assert {f"r{i}" for i in range(1, 8)} <= set(got)
+    assert all(got[f"r{i}"].prefix_len == 6 and len(got[f"r{i}"].input_ids) == 2 for i in range(1, 8))
+    assert outs["r1"].cached_tokens == 6
+    run_all(s)
+    check_accounting(s)
+    pair = make()
+    for i in range(2):
+        pair.add(req(f"p{i}", [500, 501, 502, 503, 504, 505, 30 + i]))
+    assert [r.rid for r in step(pair)[0].reqs] == ["p0", "p1"]
+
+
 # ----------------------------------------------------------------------------- chunked prefill
 
 
