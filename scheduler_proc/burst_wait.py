@@ -19,6 +19,9 @@ where no running stream is delayed by it.
 
 from __future__ import annotations
 
+CAP_GAPS = 10  # the first step waits at most this many gaps after a burst's first request
+LONE_WAIT_S = 0.001  # ... and only this long for a second request after a first
+
 
 class BurstWait:
     """The hold before an idle scheduler's first step (seconds on one monotonic clock).
@@ -35,6 +38,11 @@ class BurstWait:
         self.lone_s = min(max(0.0, lone_s), self.gap_s)
         self._first = self._last = float("-inf")
         self._count = 0
+
+    @classmethod
+    def for_gap(cls, gap_s: float) -> BurstWait:
+        """The server's hold for ``--batch-wait-ms`` = ``gap_s`` * 1000: capped at ``CAP_GAPS`` gaps, 1 ms alone."""
+        return cls(gap_s, CAP_GAPS * gap_s, LONE_WAIT_S)
 
     def arrived(self, now: float, idle: bool) -> None:
         """A request arrived at ``now``; ``idle``: none was running or waiting before it (a new burst)."""

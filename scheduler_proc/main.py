@@ -79,8 +79,6 @@ def check_digests(results: dict[int, StepResult]) -> None:
 # a step may take this long per token it carries on top of --step-timeout before the group counts as hung
 # (a 4,000-token prefill takes about 5 s on a 2-core CPU; 20 ms per token leaves a wide margin)
 STEP_TIMEOUT_PER_TOKEN_S = 0.02
-BURST_WAIT_CAP = 10  # an idle scheduler's first step waits at most this many --batch-wait-ms for a burst
-BURST_LONE_WAIT_S = 0.001  # ... and only this long for a second request after a first (scheduler_proc/burst_wait.py)
 # what is left of a hold under this starts the step now: the poll's tick is 1 ms, and a poll that returned a
 # little early would otherwise sleep a whole second tick (a lone request waited 1.3-2.2 ms instead of 1)
 BURST_POLL_SLACK_S = 0.0003
@@ -125,8 +123,7 @@ class SchedulerLoop:
         self.last_beat = 0.0
         self.slot_evictions = 0  # adapters evicted from a slot on rank 0 (for /metrics)
         self.orphan_ops: set[int] = set()  # LoRA commands of a dead front door still at the ranks
-        gap_s = args.batch_wait_ms / 1000
-        self.burst = BurstWait(gap_s, BURST_WAIT_CAP * gap_s, BURST_LONE_WAIT_S)
+        self.burst = BurstWait.for_gap(args.batch_wait_ms / 1000)
 
     # ------------------------------------------------------------------ start-up
     def wait_for_workers(self) -> None:

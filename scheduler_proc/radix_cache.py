@@ -99,7 +99,7 @@ class RadixCache:
             child = node.children.get(ids[i])
             if child is None:
                 break
-            k = _common_prefix(child.tokens, ids, i, limit)
+            k = common_prefix(child.tokens, ids, i, limit)
             if k < len(child.tokens):
                 child = self._split(child, k)
             slots.extend(child.slots)
@@ -174,7 +174,7 @@ class RadixCache:
             if child is None:
                 self._add_child(node, list(tokens[i:]), list(slots[i:]))
                 return dups
-            k = _common_prefix(child.tokens, tokens, i, n)
+            k = common_prefix(child.tokens, tokens, i, n)
             if k < len(child.tokens):
                 child = self._split(child, k)
             dups.extend(slots[i : i + k])
@@ -286,7 +286,7 @@ class RadixCache:
             stack.extend(node.children.values())
 
 
-def _common_prefix(edge: list[int], ids: list[int], start: int, end: int) -> int:
+def common_prefix(edge: list[int], ids: list[int], start: int, end: int) -> int:
     """How many leading tokens of ``edge`` equal ``ids[start:end]``."""
     n = min(len(edge), end - start)
     if edge[:n] == ids[start : start + n]:

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from ipc.lora_config import lora_rows
 from ipc.messages import BatchReq, FinishReason, ForwardBatch, RowLogprobs, TokenizedReq, TokenOut, WorkerSampling
 from scheduler_proc.kv_allocator import KVBudget, SlotAllocator
-from scheduler_proc.radix_cache import RadixCache, RadixNode
+from scheduler_proc.radix_cache import RadixCache, RadixNode, common_prefix
 
 _CONTEXT_TOKENS = 4  # tokens of left context kept for the next decode (a byte-level character is at most 4)
 _MAX_WINDOW_TOKENS = 32  # text still incomplete after this many tokens holds invalid bytes: read on regardless
@@ -359,10 +359,10 @@ class Scheduler:
         the same ``start + k`` tokens, reaches ``_SHARED_PREFILL_TOKENS``. The idea is SGLang's in-batch prefix
         check (a request sharing a prefix with one already in the batch waits for the next), here also for a
         short start that many requests repeat."""
-        k = 0
+        k, end = 0, min(start + _SHARED_PREFILL_TOKENS, len(ids) - 1)  # past 32 shared tokens, more changes nothing
         for p in prefilling:
             if p.lora_uid == r.lora_uid and p.prefill_len > start:
-                k = max(k, _common_run(_prompt(p), ids, start, min(p.prefill_len, len(ids) - 1)))
+                k = max(k, common_prefix(_prompt(p)[start:end], ids, start, end))
         if k >= _SHARED_PREFILL_TOKENS:
             return True
         if k == 0:
@@ -715,11 +715,3 @@ class Scheduler:
 def _prompt(r: Req) -> list[int]:
     """``r.prefill_ids()`` without building a new list when nothing was produced yet (the usual case)."""
     return r.prefill_ids() if r.output_ids else r.input_ids
-
-
-def _common_run(a: list[int], b: list[int], start: int, end: int) -> int:
-    """How many tokens ``a`` and ``b`` share from index ``start`` on, counting no further than ``end``."""
-    n = start
-    while n < end and a[n] == b[n]:
-        n += 1
-    return n - start
